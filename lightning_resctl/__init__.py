@@ -1,0 +1,50 @@
+"""lightning_resctl: controlled residual connections for PyTorch Lightning.
+
+Two merge rules replace the plain residual addition ``out = stream + update``:
+
+* :class:`ResController` — a parameter-free, energy-aware merge;
+* Multi-Gate Residuals (:class:`MGRChain`) — n gated streams per token.
+
+:func:`patch_residuals` rewrites the residual additions of any model into
+one of these merges (reversibly, with a report), and
+:class:`ResidualControlCallback` records what the merges do in TensorBoard.
+"""
+from __future__ import annotations
+
+import importlib
+
+from ._triton import triton_available
+
+__version__ = "0.1.0"
+
+# public name -> submodule that defines it (imported on first use, so that
+# `import lightning_resctl` stays cheap and does not pull in Lightning/Triton).
+_EXPORTS = {
+    "ResController": "rescontroller",
+    "rescontroller": "rescontroller",
+    "rescontroller_reference": "rescontroller",
+    "MGRChain": "mgr",
+    "MGRMerge": "mgr",
+    "MGRPool": "mgr",
+    "patch_residuals": "surgery",
+    "unpatch_residuals": "surgery",
+    "PatchReport": "surgery",
+    "MergeSite": "surgery",
+    "ResidualControlCallback": "callbacks",
+    "ResidualAblationCallback": "callbacks",
+}
+
+__all__ = ["triton_available", "__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'lightning_resctl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module_name}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
