@@ -14,6 +14,9 @@ from __future__ import annotations
 import importlib
 
 from ._triton import triton_available
+# The function, not the submodule of the same name (importing the submodule would otherwise
+# bind the package attribute `rescontroller` to the module).
+from .rescontroller import rescontroller
 
 __version__ = "0.1.0"
 
@@ -21,8 +24,9 @@ __version__ = "0.1.0"
 # `import lightning_resctl` stays cheap and does not pull in Lightning/Triton).
 _EXPORTS = {
     "ResController": "rescontroller",
-    "rescontroller": "rescontroller",
     "rescontroller_reference": "rescontroller",
+    "rescontroller_scales": "rescontroller",
+    "ControllerScales": "rescontroller",
     "MGRChain": "mgr",
     "MGRMerge": "mgr",
     "MGRPool": "mgr",
@@ -34,7 +38,7 @@ _EXPORTS = {
     "ResidualAblationCallback": "callbacks",
 }
 
-__all__ = ["triton_available", "__version__", *_EXPORTS]
+__all__ = ["triton_available", "rescontroller", "__version__", *_EXPORTS]
 
 
 def __getattr__(name: str):

@@ -1,0 +1,290 @@
+"""Fused Triton kernels of the ResController merge (forward and backward) and their op registration.
+
+The rule they compute is stated, and implemented as the torch oracle, in
+``lightning_resctl.rescontroller.rescontroller_reference``.
+
+* forward: per row, one read of ``r`` and ``u`` gives the three moments Σr², Σu², Σru;
+  the per-row chain gives ``a = s_u·s_s``; one write of ``out = r + a·u``.
+* backward: per row, one read of ``r``, ``u`` and ``grad_out`` gives the moments again and
+  Σ g·u; the closed-form derivative of the chain gives three per-row coefficients; one write
+  each of ``grad_r = g + c_rr·r + c_ru·u`` and ``grad_u = a·g + c_uu·u + c_ru·r``.
+  Nothing but ``r`` and ``u`` is saved for backward (the per-row scalars are recomputed
+  from the same single read).
+
+Rows longer than ``MAX_BLOCK`` are processed in column blocks (two passes over the row).
+Arithmetic is fp32 inside the kernels (fp64 when an input is fp64; the five float options
+arrive as fp32 scalars either way, so fp64 results match the fp64 oracle to ~1e-7 relative).
+
+The kernels are wrapped as ``torch.library.custom_op`` ops ``lightning_resctl::rescontroller_fwd``
+and ``lightning_resctl::rescontroller_bwd`` with fake (meta) implementations and a registered
+autograd formula, so ``torch.compile(fullgraph=True)`` sees one opaque op per direction.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightning_resctl._triton import interpreter_mode
+
+__all__ = ["rescontroller_fwd", "rescontroller_bwd", "MAX_BLOCK"]
+
+#: Largest column block held in registers at once; longer rows loop over blocks.
+MAX_BLOCK = 16384
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _chain(srr, suu, sru, d, ur, sr, ku, ks, eps):
+    """The per-row chain from the row sums; returns the values the backward needs too."""
+    mrr = srr / d
+    muu = suu / d
+    mru = sru / d
+    R = tl.sqrt(mrr + eps)
+    U = tl.sqrt(muu + eps)
+    A_u = ur * R
+    x_u = A_u / (U + eps)
+    hard_u = tl.where(x_u > 1.0, 1.0, x_u)
+    p_u = U / (A_u + eps)
+    g_u = _sigmoid(ku * (p_u - 1.0))
+    s_u = 1.0 - g_u * (1.0 - hard_u)
+    m = mrr + 2.0 * s_u * mru + s_u * s_u * muu
+    C = tl.sqrt(tl.where(m < 0.0, 0.0, m) + eps)
+    A_s = sr * R
+    x_s = A_s / (C + eps)
+    hard_s = tl.where(x_s > 1.0, 1.0, x_s)
+    p_s = C / (A_s + eps)
+    g_s = _sigmoid(ks * (p_s - 1.0))
+    s_s = 1.0 - g_s * (1.0 - hard_s)
+    return R, U, A_u, x_u, hard_u, g_u, s_u, mru, muu, m, C, A_s, x_s, hard_s, g_s, s_s
+
+
+@triton.jit
+def _scales(srr, suu, sru, d, ur, sr, ku, ks, eps):
+    R, U, A_u, x_u, hard_u, g_u, s_u, mru, muu, m, C, A_s, x_s, hard_s, g_s, s_s = _chain(
+        srr, suu, sru, d, ur, sr, ku, ks, eps
+    )
+    return s_u, s_s
+
+
+@triton.jit
+def _chain_backward(sgu, srr, suu, sru, d, ur, sr, ku, ks, eps):
+    """Closed-form derivative of the chain: (a, c_rr, c_uu, c_ru) with
+    grad_r = g + c_rr r + c_ru u,  grad_u = a g + c_uu u + c_ru r,  given sgu = Σ g u."""
+    R, U, A_u, x_u, hard_u, g_u, s_u, mru, muu, m, C, A_s, x_s, hard_s, g_s, s_s = _chain(
+        srr, suu, sru, d, ur, sr, ku, ks, eps
+    )
+    gs_u = sgu * s_s
+    gs_s = sgu * s_u
+    A_s_eps = A_s + eps
+    C_eps = C + eps
+    gp_s = gs_s * (hard_s - 1.0) * (ks * g_s * (1.0 - g_s))
+    gx_s = tl.where(x_s <= 1.0, gs_s * g_s, 0.0)
+    gC = gp_s / A_s_eps - gx_s * x_s / C_eps
+    gA_s = gx_s / C_eps - gp_s * C / (A_s_eps * A_s_eps)
+    gm = tl.where(m >= 0.0, gC / (2.0 * C), 0.0)
+    gs_u = gs_u + gm * 2.0 * (mru + s_u * muu)
+    A_u_eps = A_u + eps
+    U_eps = U + eps
+    gp_u = gs_u * (hard_u - 1.0) * (ku * g_u * (1.0 - g_u))
+    gx_u = tl.where(x_u <= 1.0, gs_u * g_u, 0.0)
+    gU = gp_u / A_u_eps - gx_u * x_u / U_eps
+    gA_u = gx_u / U_eps - gp_u * U / (A_u_eps * A_u_eps)
+    gR = gA_s * sr + gA_u * ur
+    c_rr = (gR / R + 2.0 * gm) / d
+    c_uu = (gU / U + 2.0 * gm * s_u * s_u) / d
+    c_ru = (2.0 * gm * s_u) / d
+    return s_u * s_s, c_rr, c_uu, c_ru
+
+
+@triton.jit
+def _fwd_kernel(
+    r_ptr, u_ptr, out_ptr, n_cols,
+    ur, sr, ku, ks, eps,
+    CDT: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64) * n_cols
+    r_ptr += row
+    u_ptr += row
+    out_ptr += row
+    d = tl.cast(n_cols, CDT)
+    ur = tl.cast(ur, CDT)
+    sr = tl.cast(sr, CDT)
+    ku = tl.cast(ku, CDT)
+    ks = tl.cast(ks, CDT)
+    eps = tl.cast(eps, CDT)
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:
+        mask = cols < n_cols
+        r = tl.load(r_ptr + cols, mask=mask, other=0.0).to(CDT)
+        u = tl.load(u_ptr + cols, mask=mask, other=0.0).to(CDT)
+        srr = tl.sum(r * r, axis=0)
+        suu = tl.sum(u * u, axis=0)
+        sru = tl.sum(r * u, axis=0)
+        s_u, s_s = _scales(srr, suu, sru, d, ur, sr, ku, ks, eps)
+        out = r + (s_u * s_s) * u
+        tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc_rr = tl.zeros([BLOCK], dtype=CDT)
+        acc_uu = tl.zeros([BLOCK], dtype=CDT)
+        acc_ru = tl.zeros([BLOCK], dtype=CDT)
+        for start in range(0, n_cols, BLOCK):
+            mask = start + cols < n_cols
+            r = tl.load(r_ptr + start + cols, mask=mask, other=0.0).to(CDT)
+            u = tl.load(u_ptr + start + cols, mask=mask, other=0.0).to(CDT)
+            acc_rr += r * r
+            acc_uu += u * u
+            acc_ru += r * u
+        srr = tl.sum(acc_rr, axis=0)
+        suu = tl.sum(acc_uu, axis=0)
+        sru = tl.sum(acc_ru, axis=0)
+        s_u, s_s = _scales(srr, suu, sru, d, ur, sr, ku, ks, eps)
+        a = s_u * s_s
+        for start in range(0, n_cols, BLOCK):
+            mask = start + cols < n_cols
+            r = tl.load(r_ptr + start + cols, mask=mask, other=0.0).to(CDT)
+            u = tl.load(u_ptr + start + cols, mask=mask, other=0.0).to(CDT)
+            tl.store(out_ptr + start + cols, (r + a * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_kernel(
+    g_ptr, r_ptr, u_ptr, gr_ptr, gu_ptr, n_cols,
+    ur, sr, ku, ks, eps,
+    CDT: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64) * n_cols
+    g_ptr += row
+    r_ptr += row
+    u_ptr += row
+    gr_ptr += row
+    gu_ptr += row
+    d = tl.cast(n_cols, CDT)
+    ur = tl.cast(ur, CDT)
+    sr = tl.cast(sr, CDT)
+    ku = tl.cast(ku, CDT)
+    ks = tl.cast(ks, CDT)
+    eps = tl.cast(eps, CDT)
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:
+        mask = cols < n_cols
+        g = tl.load(g_ptr + cols, mask=mask, other=0.0).to(CDT)
+        r = tl.load(r_ptr + cols, mask=mask, other=0.0).to(CDT)
+        u = tl.load(u_ptr + cols, mask=mask, other=0.0).to(CDT)
+        srr = tl.sum(r * r, axis=0)
+        suu = tl.sum(u * u, axis=0)
+        sru = tl.sum(r * u, axis=0)
+        sgu = tl.sum(g * u, axis=0)
+        a, c_rr, c_uu, c_ru = _chain_backward(sgu, srr, suu, sru, d, ur, sr, ku, ks, eps)
+        tl.store(gr_ptr + cols, (g + c_rr * r + c_ru * u).to(gr_ptr.dtype.element_ty), mask=mask)
+        tl.store(gu_ptr + cols, (a * g + c_uu * u + c_ru * r).to(gu_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc_rr = tl.zeros([BLOCK], dtype=CDT)
+        acc_uu = tl.zeros([BLOCK], dtype=CDT)
+        acc_ru = tl.zeros([BLOCK], dtype=CDT)
+        acc_gu = tl.zeros([BLOCK], dtype=CDT)
+        for start in range(0, n_cols, BLOCK):
+            mask = start + cols < n_cols
+            g = tl.load(g_ptr + start + cols, mask=mask, other=0.0).to(CDT)
+            r = tl.load(r_ptr + start + cols, mask=mask, other=0.0).to(CDT)
+            u = tl.load(u_ptr + start + cols, mask=mask, other=0.0).to(CDT)
+            acc_rr += r * r
+            acc_uu += u * u
+            acc_ru += r * u
+            acc_gu += g * u
+        srr = tl.sum(acc_rr, axis=0)
+        suu = tl.sum(acc_uu, axis=0)
+        sru = tl.sum(acc_ru, axis=0)
+        sgu = tl.sum(acc_gu, axis=0)
+        a, c_rr, c_uu, c_ru = _chain_backward(sgu, srr, suu, sru, d, ur, sr, ku, ks, eps)
+        for start in range(0, n_cols, BLOCK):
+            mask = start + cols < n_cols
+            g = tl.load(g_ptr + start + cols, mask=mask, other=0.0).to(CDT)
+            r = tl.load(r_ptr + start + cols, mask=mask, other=0.0).to(CDT)
+            u = tl.load(u_ptr + start + cols, mask=mask, other=0.0).to(CDT)
+            tl.store(gr_ptr + start + cols, (g + c_rr * r + c_ru * u).to(gr_ptr.dtype.element_ty), mask=mask)
+            tl.store(gu_ptr + start + cols, (a * g + c_uu * u + c_ru * r).to(gu_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_config(n_cols: int, max_block: int):
+    block = min(triton.next_power_of_2(n_cols), max_block)
+    single = block >= n_cols
+    num_warps = 1 if interpreter_mode() else max(1, min(16, block // 256))
+    return block, single, num_warps
+
+
+def _compute_dtype(*tensors: Tensor):
+    return tl.float64 if any(t.dtype == torch.float64 for t in tensors) else tl.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# ops: 2-D contiguous (rows, C) tensors, features last
+# ----------------------------------------------------------------------------------------------
+@torch.library.custom_op("lightning_resctl::rescontroller_fwd", mutates_args=())
+def rescontroller_fwd(
+    residual: Tensor, update: Tensor,
+    update_ratio: float, stream_ratio: float, update_softness: float, stream_softness: float, eps: float,
+) -> Tensor:
+    """``out = r + s_u s_s u`` per row of 2-D contiguous ``(rows, C)`` tensors."""
+    out = torch.empty(residual.shape, dtype=torch.promote_types(residual.dtype, update.dtype), device=residual.device)
+    rows, n_cols = residual.shape
+    if rows == 0:
+        return out
+    block, single, num_warps = _launch_config(n_cols, MAX_BLOCK)
+    _fwd_kernel[(rows,)](
+        residual, update, out, n_cols,
+        update_ratio, stream_ratio, update_softness, stream_softness, eps,
+        CDT=_compute_dtype(residual, update), BLOCK=block, SINGLE=single, num_warps=num_warps,
+    )
+    return out
+
+
+@rescontroller_fwd.register_fake
+def _(residual, update, update_ratio, stream_ratio, update_softness, stream_softness, eps):
+    return residual.new_empty(residual.shape, dtype=torch.promote_types(residual.dtype, update.dtype))
+
+
+@torch.library.custom_op("lightning_resctl::rescontroller_bwd", mutates_args=())
+def rescontroller_bwd(
+    grad_out: Tensor, residual: Tensor, update: Tensor,
+    update_ratio: float, stream_ratio: float, update_softness: float, stream_softness: float, eps: float,
+) -> tuple[Tensor, Tensor]:
+    """``(grad_r, grad_u)`` of the merge per row of 2-D contiguous ``(rows, C)`` tensors."""
+    grad_r = torch.empty_like(residual)
+    grad_u = torch.empty_like(update)
+    rows, n_cols = residual.shape
+    if rows == 0:
+        return grad_r, grad_u
+    block, single, num_warps = _launch_config(n_cols, MAX_BLOCK)
+    _bwd_kernel[(rows,)](
+        grad_out, residual, update, grad_r, grad_u, n_cols,
+        update_ratio, stream_ratio, update_softness, stream_softness, eps,
+        CDT=_compute_dtype(grad_out, residual, update), BLOCK=block, SINGLE=single, num_warps=num_warps,
+    )
+    return grad_r, grad_u
+
+
+@rescontroller_bwd.register_fake
+def _(grad_out, residual, update, update_ratio, stream_ratio, update_softness, stream_softness, eps):
+    return torch.empty_like(residual), torch.empty_like(update)
+
+
+def _setup_context(ctx, inputs, output):
+    residual, update, *opts = inputs
+    ctx.save_for_backward(residual, update)
+    ctx.opts = opts
+
+
+def _backward(ctx, grad_out):
+    residual, update = ctx.saved_tensors
+    grad_r, grad_u = rescontroller_bwd(grad_out.contiguous(), residual, update, *ctx.opts)
+    return grad_r, grad_u, None, None, None, None, None
+
+
+rescontroller_fwd.register_autograd(_backward, setup_context=_setup_context)
+

@@ -1,0 +1,451 @@
+"""ResController: a parameter-free, energy-aware replacement for the residual merge ``r + u``.
+
+The rule (per row, i.e. along the feature dimension ``dim``; d = its size; all
+arithmetic in fp32, or fp64 when an input is fp64)::
+
+    R      = sqrt(mean(r^2) + eps)                # residual RMS
+    U      = sqrt(mean(u^2) + eps)                # update RMS
+    A_u    = update_ratio * R                     # allowed update RMS
+    hard_u = min(A_u / (U + eps), 1)
+    p_u    = U / (A_u + eps)                      # update pressure
+    g_u    = sigmoid(update_softness * (p_u - 1))
+    s_u    = 1 - g_u * (1 - hard_u)               # "alpha"
+    C      = sqrt(max((Σr² + 2 s_u Σru + s_u² Σu²) / d, 0) + eps)   # RMS of r + s_u u
+    A_s    = stream_ratio * R                     # allowed stream RMS
+    hard_s = min(A_s / (C + eps), 1)
+    p_s    = C / (A_s + eps)
+    g_s    = sigmoid(stream_softness * (p_s - 1))
+    s_s    = 1 - g_s * (1 - hard_s)               # "beta"
+    out    = r + (s_u * s_s) * u                  # in the input dtype
+
+Three execution paths compute it:
+
+* :func:`rescontroller_reference` — the rule in plain torch ops (the oracle every other
+  path is tested against; plain autograd differentiates it);
+* the lean torch path — :class:`_ResControllerFunction`, an ``autograd.Function`` whose
+  backward is the closed-form derivative of the rule; it saves only ``r``, ``u`` and a few
+  per-row scalars (plain autograd of the reference saves every intermediate);
+* the Triton path — fused forward and backward kernels in ``lightning_resctl.kernels.rescontroller``,
+  registered as ``torch.library`` custom ops (opaque to ``torch.compile``).
+
+:func:`rescontroller` / :class:`ResController` validate the input and dispatch:
+``backend="auto"`` picks Triton for CUDA tensors when Triton works, else the torch path.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from ._triton import interpreter_mode, kernel_module, triton_available
+
+__all__ = [
+    "ControllerScales",
+    "ResController",
+    "rescontroller",
+    "rescontroller_reference",
+    "rescontroller_scales",
+    "BACKENDS",
+]
+
+#: Accepted backend names ("native" is an alias of "triton", for users coming from MLBricks).
+BACKENDS = ("auto", "triton", "torch", "native")
+
+_DEFAULTS = dict(update_ratio=0.18, stream_ratio=1.08, update_softness=8.0, stream_softness=8.0, eps=1e-12)
+
+
+class ControllerScales(NamedTuple):
+    """Per-row scales of the rule (fp32, the feature dim reduced away)."""
+
+    alpha: Tensor  # s_u, the update scale
+    beta: Tensor  # s_s, the stream scale
+    update_cap_active: Tensor  # bool, p_u > 1
+    stream_cap_active: Tensor  # bool, p_s > 1
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------------
+def _check_option(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a positive real number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return value
+
+
+def _check_options(update_ratio, stream_ratio, update_softness, stream_softness, eps) -> tuple[float, ...]:
+    return (
+        _check_option("update_ratio", update_ratio),
+        _check_option("stream_ratio", stream_ratio),
+        _check_option("update_softness", update_softness),
+        _check_option("stream_softness", stream_softness),
+        _check_option("eps", eps),
+    )
+
+
+def _check_dim(dim, ndim: int) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"dim must be an int, got {dim!r} ({type(dim).__name__})")
+    dim = int(dim)
+    if ndim == 0:
+        raise ValueError("residual must have at least one dimension (the feature dim), got a 0-d tensor")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"dim={dim} is out of range for tensors with {ndim} dimensions")
+    return dim % ndim
+
+
+def _check_backend(backend) -> str:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be one of {BACKENDS}, got {backend!r} ({type(backend).__name__})")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return "triton" if backend == "native" else backend
+
+
+def _check_tensors(residual, update, dim) -> int:
+    for name, t in (("residual", residual), ("update", update)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must have a floating-point dtype, got {t.dtype}")
+    if residual.shape != update.shape:
+        raise ValueError(
+            f"residual and update must have the same shape (nothing is broadcast), "
+            f"got residual {tuple(residual.shape)} and update {tuple(update.shape)}"
+        )
+    if residual.device != update.device:
+        raise ValueError(
+            f"residual and update must be on the same device, got residual on {residual.device} "
+            f"and update on {update.device}"
+        )
+    dim = _check_dim(dim, residual.dim())
+    if residual.shape[dim] == 0:
+        raise ValueError(f"the feature dim (dim={dim}) must not be empty, got shape {tuple(residual.shape)}")
+    return dim
+
+
+def _compute_dtype(residual: Tensor, update: Tensor) -> torch.dtype:
+    """fp64 when an input is fp64, else fp32."""
+    return torch.float64 if torch.float64 in (residual.dtype, update.dtype) else torch.float32
+
+
+# --------------------------------------------------------------------------------------------
+# the oracle
+# --------------------------------------------------------------------------------------------
+def _reference_scales(r: Tensor, u: Tensor, ur, sr, ku, ks, eps, dim: int):
+    """The spec's per-row chain in plain torch ops (keepdim); returns (s_u, s_s, p_u, p_s)."""
+    mrr = (r * r).mean(dim, keepdim=True)
+    muu = (u * u).mean(dim, keepdim=True)
+    mru = (r * u).mean(dim, keepdim=True)
+    R = torch.sqrt(mrr + eps)
+    U = torch.sqrt(muu + eps)
+    A_u = ur * R
+    hard_u = (A_u / (U + eps)).clamp(max=1.0)
+    p_u = U / (A_u + eps)
+    g_u = torch.sigmoid(ku * (p_u - 1.0))
+    s_u = 1.0 - g_u * (1.0 - hard_u)
+    # RMS of the candidate stream r + s_u u, from the three row moments
+    C = torch.sqrt((mrr + 2.0 * s_u * mru + s_u * s_u * muu).clamp(min=0.0) + eps)
+    A_s = sr * R
+    hard_s = (A_s / (C + eps)).clamp(max=1.0)
+    p_s = C / (A_s + eps)
+    g_s = torch.sigmoid(ks * (p_s - 1.0))
+    s_s = 1.0 - g_s * (1.0 - hard_s)
+    return s_u, s_s, p_u, p_s
+
+
+def rescontroller_reference(
+    residual: Tensor,
+    update: Tensor,
+    update_ratio: float = 0.18,
+    stream_ratio: float = 1.08,
+    update_softness: float = 8.0,
+    stream_softness: float = 8.0,
+    eps: float = 1e-12,
+    *,
+    dim: int = -1,
+) -> Tensor:
+    """The ResController rule in plain torch ops — the oracle the other paths are tested against.
+
+    Per row along ``dim`` (d = its size), in fp32 (fp64 when an input is fp64)::
+
+        R = sqrt(mean(r²) + eps)              U = sqrt(mean(u²) + eps)
+        A_u = update_ratio·R                  hard_u = min(A_u / (U + eps), 1)
+        p_u = U / (A_u + eps)                 g_u = sigmoid(update_softness·(p_u − 1))
+        s_u = 1 − g_u·(1 − hard_u)
+        C = sqrt(max(mean(r²) + 2 s_u mean(ru) + s_u² mean(u²), 0) + eps)
+        A_s = stream_ratio·R                  hard_s = min(A_s / (C + eps), 1)
+        p_s = C / (A_s + eps)                 g_s = sigmoid(stream_softness·(p_s − 1))
+        s_s = 1 − g_s·(1 − hard_s)
+        out = r + (s_u·s_s)·u                 (in the promoted input dtype)
+
+    Differentiable by plain autograd (which saves every intermediate).
+    """
+    dim = _check_tensors(residual, update, dim)
+    ur, sr, ku, ks, eps = _check_options(update_ratio, stream_ratio, update_softness, stream_softness, eps)
+    cdt = _compute_dtype(residual, update)
+    r, u = residual.to(cdt), update.to(cdt)
+    s_u, s_s, _, _ = _reference_scales(r, u, ur, sr, ku, ks, eps, dim)
+    out = r + (s_u * s_s) * u
+    return out.to(torch.promote_types(residual.dtype, update.dtype))
+
+
+def rescontroller_scales(
+    residual: Tensor,
+    update: Tensor,
+    update_ratio: float = 0.18,
+    stream_ratio: float = 1.08,
+    update_softness: float = 8.0,
+    stream_softness: float = 8.0,
+    eps: float = 1e-12,
+    *,
+    dim: int = -1,
+) -> ControllerScales:
+    """Per-row scales of the rule (no grad): ``alpha`` = s_u, ``beta`` = s_s, and whether the
+    update cap (p_u > 1) and the stream cap (p_s > 1) are active. Tensors of shape
+    ``residual.shape`` with ``dim`` removed; alpha/beta in fp32."""
+    dim = _check_tensors(residual, update, dim)
+    ur, sr, ku, ks, eps = _check_options(update_ratio, stream_ratio, update_softness, stream_softness, eps)
+    cdt = _compute_dtype(residual, update)
+    with torch.no_grad():
+        r, u = residual.detach().to(cdt), update.detach().to(cdt)
+        s_u, s_s, p_u, p_s = _reference_scales(r, u, ur, sr, ku, ks, eps, dim)
+        return ControllerScales(
+            alpha=s_u.squeeze(dim).float(),
+            beta=s_s.squeeze(dim).float(),
+            update_cap_active=(p_u > 1.0).squeeze(dim),
+            stream_cap_active=(p_s > 1.0).squeeze(dim),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# the lean torch path: closed-form backward, saves r, u and per-row scalars only
+# --------------------------------------------------------------------------------------------
+class _ResControllerFunction(torch.autograd.Function):
+    """``out = r + s_u s_s u`` with the closed-form backward.
+
+    Forward: the three row moments mean(r²), mean(u²), mean(ru), the per-row chain, one
+    ``addcmul``. Saved for backward: ``r``, ``u`` (the caller's tensors, not copies) and one
+    stack of 12 per-row scalars (the feature dim of size 12). Backward: one reduction Σ g·u per row, then
+    ``grad_r = g + c_rr r + c_ru u`` and ``grad_u = a g + c_uu u + c_ru r``.
+    """
+
+    @staticmethod
+    def forward(ctx, residual, update, ur, sr, ku, ks, eps, dim):
+        cdt = _compute_dtype(residual, update)
+        r, u = residual.to(cdt), update.to(cdt)
+        d = r.shape[dim]
+        mrr = torch.linalg.vector_norm(r, dim=dim, keepdim=True).square_().div_(d)
+        muu = torch.linalg.vector_norm(u, dim=dim, keepdim=True).square_().div_(d)
+        mru = torch.linalg.vecdot(r, u, dim=dim).unsqueeze_(dim).div_(d)
+        R = (mrr + eps).sqrt_()
+        U = (muu + eps).sqrt_()
+        A_u = R * ur
+        x_u = A_u / (U + eps)
+        hard_u = x_u.clamp(max=1.0)
+        p_u = U / (A_u + eps)
+        g_u = torch.sigmoid(ku * (p_u - 1.0))
+        s_u = 1.0 - g_u * (1.0 - hard_u)
+        m = mrr + 2.0 * s_u * mru + s_u * s_u * muu
+        C = (m.clamp(min=0.0) + eps).sqrt_()
+        A_s = R * sr
+        x_s = A_s / (C + eps)
+        hard_s = x_s.clamp(max=1.0)
+        p_s = C / (A_s + eps)
+        g_s = torch.sigmoid(ks * (p_s - 1.0))
+        s_s = 1.0 - g_s * (1.0 - hard_s)
+        a = s_u * s_s
+        out = torch.addcmul(r, a, u).to(torch.promote_types(residual.dtype, update.dtype))
+        if any(ctx.needs_input_grad[:2]):
+            stats = torch.cat([mru, muu, s_u, s_s, g_u, g_s, x_u, x_s, m, R, U, C], dim=dim)
+            ctx.save_for_backward(residual, update, stats)
+            ctx.opts = (ur, sr, ku, ks, eps, dim, d)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        residual, update, stats = ctx.saved_tensors
+        ur, sr, ku, ks, eps, dim, d = ctx.opts
+        cdt = stats.dtype
+        mru, muu, s_u, s_s, g_u, g_s, x_u, x_s, m, R, U, C = stats.split(1, dim=dim)
+        r, u, g = residual.to(cdt), update.to(cdt), grad_out.to(cdt)
+        a = s_u * s_s
+        ga = torch.linalg.vecdot(g, u, dim=dim).unsqueeze_(dim)  # dL/da = Σ g u
+        gs_u = ga * s_s
+        gs_s = ga * s_u
+        # s_s = 1 - g_s (1 - hard_s), g_s = sigmoid(ks (p_s - 1)), p_s = C / (A_s + eps)
+        hard_s = x_s.clamp(max=1.0)
+        A_s_eps = R * sr + eps
+        gp_s = gs_s * (hard_s - 1.0) * (ks * g_s * (1.0 - g_s))
+        gx_s = (gs_s * g_s).masked_fill_(x_s > 1.0, 0.0)  # hard_s = min(x_s, 1), x_s = A_s / (C + eps)
+        C_eps = C + eps
+        gC = gp_s / A_s_eps - gx_s * x_s / C_eps
+        gA_s = gx_s / C_eps - gp_s * C / (A_s_eps * A_s_eps)
+        # C = sqrt(max(m, 0) + eps), m = mrr + 2 s_u mru + s_u² muu
+        gm = (gC / (2.0 * C)).masked_fill_(m < 0.0, 0.0)
+        gs_u = gs_u + gm * 2.0 * (mru + s_u * muu)
+        # s_u = 1 - g_u (1 - hard_u), g_u = sigmoid(ku (p_u - 1)), p_u = U / (A_u + eps)
+        hard_u = x_u.clamp(max=1.0)
+        A_u_eps = R * ur + eps
+        U_eps = U + eps
+        gp_u = gs_u * (hard_u - 1.0) * (ku * g_u * (1.0 - g_u))
+        gx_u = (gs_u * g_u).masked_fill_(x_u > 1.0, 0.0)  # hard_u = min(x_u, 1), x_u = A_u / (U + eps)
+        gU = gp_u / A_u_eps - gx_u * x_u / U_eps
+        gA_u = gx_u / U_eps - gp_u * U / (A_u_eps * A_u_eps)
+        gR = gA_s * sr + gA_u * ur
+        # R = sqrt(mrr + eps), U = sqrt(muu + eps); mrr = Σr²/d, muu = Σu²/d, mru = Σru/d
+        c_rr = (gR / R + 2.0 * gm) / d  # coefficient of r in grad_r  (= 2 dL/dmrr / d)
+        c_uu = (gU / U + 2.0 * gm * s_u * s_u) / d  # coefficient of u in grad_u
+        c_ru = (2.0 * gm * s_u) / d  # coefficient of u in grad_r and of r in grad_u
+        grad_r = grad_u = None
+        if ctx.needs_input_grad[0]:
+            grad_r = torch.addcmul(g, c_rr, r).addcmul_(c_ru, u).to(residual.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_u = torch.mul(g, a).addcmul_(c_uu, u).addcmul_(c_ru, r).to(update.dtype)
+        return grad_r, grad_u, None, None, None, None, None, None
+
+
+def _rescontroller_torch(residual, update, ur, sr, ku, ks, eps, dim):
+    return _ResControllerFunction.apply(residual, update, ur, sr, ku, ks, eps, dim)
+
+
+_KERNELS_LOADED = False
+
+
+@torch.compiler.assume_constant_result
+def _load_kernels() -> bool:
+    """Import the Triton kernels (registers ``torch.ops.lightning_resctl.rescontroller_*``).
+
+    ``assume_constant_result`` lets ``torch.compile`` run this once at trace time instead of
+    tracing the import (which would break the graph)."""
+    global _KERNELS_LOADED
+    if not _KERNELS_LOADED:
+        kernel_module("rescontroller")
+        _KERNELS_LOADED = True
+    return True
+
+
+def _rescontroller_triton(residual, update, ur, sr, ku, ks, eps, dim):
+    """Triton path: feature dim last, contiguous rows, the fused op, the caller's shape back."""
+    _load_kernels()
+    last = dim == residual.dim() - 1
+    r = residual if last else residual.movedim(dim, -1)
+    u = update if last else update.movedim(dim, -1)
+    shape = r.shape
+    n_cols = shape[-1]
+    out = torch.ops.lightning_resctl.rescontroller_fwd(
+        r.contiguous().view(-1, n_cols), u.contiguous().view(-1, n_cols), ur, sr, ku, ks, eps
+    ).view(shape)
+    return out if last else out.movedim(-1, dim)
+
+
+# --------------------------------------------------------------------------------------------
+# dispatch
+# --------------------------------------------------------------------------------------------
+@torch.compiler.assume_constant_result
+def _triton_runs_on_device(device_type: str) -> bool:
+    """Whether the Triton kernels run on tensors of ``device_type`` (constant under torch.compile)."""
+    if not triton_available():
+        return False
+    return device_type == "cuda" or (device_type == "cpu" and interpreter_mode())
+
+
+def _resolve(backend: str, tensor: Tensor | None) -> str:
+    if backend == "auto":
+        if tensor is None:
+            return "triton" if (torch.cuda.is_available() and triton_available()) else "torch"
+        return "triton" if (tensor.is_cuda and _triton_runs_on_device("cuda")) else "torch"
+    if backend == "triton" and tensor is not None and not _triton_runs_on_device(tensor.device.type):
+        raise ValueError(
+            f"backend='triton' cannot run on {tensor.device} tensors here (Triton needs a CUDA device, or "
+            f"TRITON_INTERPRET=1 for CPU tensors); use backend='torch' or 'auto'"
+        )
+    return backend
+
+
+def rescontroller(
+    residual: Tensor,
+    update: Tensor,
+    update_ratio: float = 0.18,
+    stream_ratio: float = 1.08,
+    update_softness: float = 8.0,
+    stream_softness: float = 8.0,
+    eps: float = 1e-12,
+    *,
+    dim: int = -1,
+    backend: str = "auto",
+) -> Tensor:
+    """ResController merge ``out = r + s_u·s_s·u`` (see :func:`rescontroller_reference` for the rule).
+
+    ``dim`` is the feature dim (-1 for sequence models, 1 for channels-first conv nets).
+    ``backend``: "auto" (Triton for CUDA tensors when Triton works, else torch), "triton"
+    (alias "native"), or "torch" (the lean autograd.Function). Output dtype: the promoted
+    input dtype; math in fp32 (fp64 for fp64 inputs).
+    """
+    backend = _check_backend(backend)
+    dim = _check_tensors(residual, update, dim)
+    opts = _check_options(update_ratio, stream_ratio, update_softness, stream_softness, eps)
+    if _resolve(backend, residual) == "triton":
+        return _rescontroller_triton(residual, update, *opts, dim)
+    return _rescontroller_torch(residual, update, *opts, dim)
+
+
+class ResController(nn.Module):
+    """Parameter-free ResController merge as a module: ``controller(residual, update)``.
+
+    Computes per row along ``dim``: ``out = r + s_u·s_s·u`` where ``s_u`` softly caps the
+    update RMS at ``update_ratio·RMS(r)`` and ``s_s`` softly caps the candidate stream RMS
+    ``RMS(r + s_u u)`` at ``stream_ratio·RMS(r)`` (full rule: :func:`rescontroller_reference`).
+    """
+
+    def __init__(
+        self,
+        update_ratio: float = 0.18,
+        stream_ratio: float = 1.08,
+        update_softness: float = 8.0,
+        stream_softness: float = 8.0,
+        eps: float = 1e-12,
+        *,
+        dim: int = -1,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        (self.update_ratio, self.stream_ratio, self.update_softness, self.stream_softness, self.eps) = (
+            _check_options(update_ratio, stream_ratio, update_softness, stream_softness, eps)
+        )
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+            raise TypeError(f"dim must be an int, got {dim!r} ({type(dim).__name__})")
+        self.dim = int(dim)
+        self.backend = "auto"
+        self.set_backend(backend)
+
+    def set_backend(self, name: str) -> "ResController":
+        """Choose "auto", "triton" (alias "native") or "torch"; returns self."""
+        self.backend = _check_backend(name)
+        return self
+
+    def resolved_backend(self, tensor: Tensor | None = None) -> str:
+        """The backend a call on ``tensor`` would use ("triton" or "torch")."""
+        return _resolve(self.backend, tensor)
+
+    def options(self) -> dict:
+        """The rule's options (keyword arguments of :func:`rescontroller`, without ``backend``)."""
+        return dict(
+            update_ratio=self.update_ratio,
+            stream_ratio=self.stream_ratio,
+            update_softness=self.update_softness,
+            stream_softness=self.stream_softness,
+            eps=self.eps,
+            dim=self.dim,
+        )
+
+    def forward(self, residual: Tensor, update: Tensor) -> Tensor:
+        return rescontroller(residual, update, **self.options(), backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.options().items()) + f", backend={self.backend!r}"
