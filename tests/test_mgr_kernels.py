@@ -1,0 +1,146 @@
+"""Fused Triton MGR step (forward + backward) against the torch reference, under TRITON_INTERPRET=1 on CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_resctl._triton import kernel_module
+from lightning_resctl.mgr import MGRChain, mgr_step_reference
+
+KINDS = ("competitive", "independent", "accumulating")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def kern():
+    return kernel_module("mgr")
+
+
+def make_case(kind, n, c, dtype, tokens=(3,), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    m = n - 1 if kind == "accumulating" else n
+    streams = (torch.randn(*tokens, m, c, generator=g) * torch.rand(*tokens, m, 1, generator=g) * 3).to(dtype)
+    u = torch.randn(*tokens, c, generator=g).to(dtype)
+    params = {"next_query": torch.randn(c, generator=g) * 2}
+    if kind != "accumulating":
+        params["gate_query"] = torch.randn(c, generator=g) * 2
+        params["gate_bias"] = torch.randn(n, generator=g)
+        if kind == "competitive":
+            params["forget_bias"] = torch.randn((), generator=g)
+    if dtype == torch.float64:
+        params = {k: v.double() for k, v in params.items()}
+    return streams, u, params
+
+
+def op_call(kern, streams, u, p):
+    out, h, beta, a = kern.mgr_step(streams, u, p["next_query"], p.get("gate_query"), p.get("gate_bias"),
+                                    p.get("forget_bias"), 1e-6)
+    return out, h
+
+
+def ref_call(streams, u, p, gating):
+    return mgr_step_reference(streams, u, p["next_query"], p.get("gate_query"), p.get("gate_bias"),
+                              p.get("forget_bias"), gating)
+
+
+def forward_backward(fn, streams, u, params):
+    leaves = [streams.detach().clone().requires_grad_(True), u.detach().clone().requires_grad_(True)]
+    ps = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    out, h = fn(leaves[0], leaves[1], ps)
+    g = torch.Generator().manual_seed(11)
+    w_out = torch.randn(out.shape, generator=g).to(out.dtype)
+    w_h = torch.randn(h.shape, generator=g).to(h.dtype)
+    ((out.float() * w_out.float()).sum() + (h.float() * w_h.float()).sum()).backward()
+    grads = [leaves[0].grad, leaves[1].grad] + [ps[k].grad for k in sorted(ps)]
+    return [out, h], grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("c", [37, 97])
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_step_matches_reference(kern, kind, n, c, dtype):
+    streams, u, params = make_case(kind, n, c, dtype, seed=n * c)
+    gating = "independent" if kind == "independent" else "competitive"
+    outs, grads = forward_backward(lambda s, u, p: op_call(kern, s, u, p), streams, u, params)
+    routs, rgrads = forward_backward(lambda s, u, p: ref_call(s, u, p, gating), streams, u, params)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=3e-2)
+    for a, b in zip(outs, routs):
+        assert a.dtype == b.dtype == dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, **tol)
+    for a, b in zip(grads, rgrads):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        scale = b.float().abs().max().clamp_min(1.0)
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol["rtol"], atol=tol["atol"] * scale)
+
+
+@pytest.mark.parametrize("kind", ["competitive", "independent"])
+def test_fused_step_fp64_and_gates(kern, kind):
+    streams, u, params = make_case(kind, 4, 21, torch.float64, tokens=(2, 3))
+    gating = "independent" if kind == "independent" else "competitive"
+    out, h, beta, a = kern.mgr_step(streams, u, params["next_query"], params["gate_query"], params["gate_bias"],
+                                    params.get("forget_bias"), 1e-6)
+    assert beta.dtype == a.dtype == torch.float64 and beta.shape == (2, 3, 4) and a.shape == (2, 3, 4)
+    rout, rh = ref_call(streams, u, params, gating)
+    torch.testing.assert_close(out, rout, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(h, rh, rtol=1e-12, atol=1e-12)
+    outs, grads = forward_backward(lambda s, u, p: op_call(kern, s, u, p), streams, u, params)
+    _, rgrads = forward_backward(lambda s, u, p: ref_call(s, u, p, gating), streams, u, params)
+    for x, y in zip(grads, rgrads):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
+
+
+def test_fused_step_without_stream_grad(kern):
+    # the last merge's streams are often unused: the backward gets no grad_out
+    streams, u, params = make_case("competitive", 4, 37, torch.float32)
+    ps = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    s = streams.clone().requires_grad_(True)
+    _, h = op_call(kern, s, u, ps)
+    h.sum().backward()
+    s_ref = streams.clone().requires_grad_(True)
+    _, rh = ref_call(s_ref, u, params, "competitive")
+    rh.sum().backward()
+    torch.testing.assert_close(s.grad, s_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck_registration(kern):
+    streams, u, params = make_case("competitive", 4, 37, torch.float32)
+    args = (streams.requires_grad_(True), u.requires_grad_(True), params["next_query"].requires_grad_(True),
+            params["gate_query"].requires_grad_(True), params["gate_bias"].requires_grad_(True),
+            params["forget_bias"].requires_grad_(True), 1e-6)
+    torch.library.opcheck(torch.ops.lightning_resctl.mgr_step.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("invert", [False, True])
+@pytest.mark.parametrize("gating", ["competitive", "independent"])
+def test_chain_on_triton_matches_reference(gating, invert):
+    c, n, merges = 37, 4, 6
+    chain = MGRChain(c, merges, streams=n, gating=gating, invert=invert, backend="triton")
+    with torch.no_grad():
+        for p in chain.parameters():
+            p.add_(torch.randn_like(p))
+    fs = [torch.nn.Linear(c, c) for _ in range(merges)]
+    x0 = torch.randn(2, 2, c)
+    results = []
+    for backend in ("triton", "reference"):
+        chain.set_backend(backend)
+        chain.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_(True)
+        y = chain(x, [lambda h, f=f: torch.tanh(f(h)) for f in fs])
+        (y * y).sum().backward()
+        results.append([y, x.grad] + [p.grad for p in chain.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_rejects_more_than_eight_streams(kern):
+    with pytest.raises(ValueError, match="up to 8 streams"):
+        kern.mgr_step(torch.randn(2, 9, 5), torch.randn(2, 5), torch.zeros(5), None, None, None, 1e-6)
