@@ -34,8 +34,13 @@ _EXPORTS = {
     "unpatch_residuals": "surgery",
     "PatchReport": "surgery",
     "MergeSite": "surgery",
+    "get_patch_report": "surgery",
+    "merge_sites": "surgery",
+    "load_unpatched_state_dict": "surgery",
+    "MGRRun": "mgr",
     "ResidualControlCallback": "callbacks",
     "ResidualAblationCallback": "callbacks",
+    "patch_in_configure_model": "callbacks",
 }
 
 __all__ = ["triton_available", "rescontroller", "__version__", *_EXPORTS]

@@ -1,0 +1,51 @@
+"""Model surgery: find the residual merges of any model and rewrite them, reversibly.
+
+>>> report = patch_residuals(model, method="rescontroller")   # or "mgr" (streams=4, gating=...), "add"
+>>> print(report)                                             # one row per merge: module, file:line, source
+>>> unpatch_residuals(model)                                  # bitwise back to the original
+
+How it works: one forward on an example input (``model.example_input_array`` by default) runs under a
+``TorchFunctionMode`` that records every addition of two tensors with its operands and the calling frame;
+a light dataflow graph decides which additions are residual merges (same shape, the update computed from
+the stream through a learned branch); Python 3.11's ``co_positions`` maps each one to its exact source
+expression, which is rewritten into ``self.<site>(stream, update)`` in a per-instance subclass of the
+block's class. Parameter names and ``isinstance`` are kept; sites are :class:`MergeSite` submodules.
+
+Where to patch in Lightning: before ``configure_optimizers``, DDP/FSDP wrapping and ``torch.compile`` —
+``Callback.setup`` is that point::
+
+    class Patch(L.Callback):
+        def setup(self, trainer, pl_module, stage):
+            patch_residuals(pl_module, method="mgr")
+
+Checkpoints: a patched model's ``state_dict`` loads into a freshly patched twin as usual. An unpatched
+checkpoint loads into a patched model with :func:`load_unpatched_state_dict` (MGR's new parameters keep
+their init; it returns their names, also listed in ``report.new_parameters``). ResController adds no
+parameters, so a plain ``load_state_dict`` works for it.
+
+Limits: only additions that ran in the observed forward are patched (Python branches not taken are not
+seen); MGR refuses models with activation checkpointing enabled (a recomputed block would replay its
+merges); patch before wrapping (DDP/FSDP/``torch.compile``) and unpatch before ``fully_shard``.
+"""
+from .patch import (
+    get_patch_report,
+    load_unpatched_state_dict,
+    merge_sites,
+    patch_residuals,
+    unpatch_residuals,
+)
+from .report import ChainInfo, PatchReport, SiteInfo, SkippedInfo
+from .sites import MergeSite
+
+__all__ = [
+    "patch_residuals",
+    "unpatch_residuals",
+    "get_patch_report",
+    "merge_sites",
+    "load_unpatched_state_dict",
+    "MergeSite",
+    "PatchReport",
+    "SiteInfo",
+    "SkippedInfo",
+    "ChainInfo",
+]

@@ -1,0 +1,365 @@
+"""Find residual merges by watching one forward.
+
+A :class:`torch.overrides.TorchFunctionMode` sees every torch call of the forward with its operands.
+From it we keep a light dataflow graph (tensor -> producing op -> input tensors) and, for every addition
+of two tensors (``a + b``, ``torch.add``, ``a += b``, ``a.add_(b)``), the calling frame: its code object
+and the instruction being run, which Python 3.11's ``co_positions`` maps to the exact source expression.
+
+An addition is a *merge* when both operands have the same shape (floating point, at least 1-D) and one
+operand, the *stream*, is an ancestor of the other, the *update*, through a branch holding learned
+parameters. Everything else is reported with the reason it is not a merge.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from types import CodeType, FrameType
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Node", "AddEvent", "Observation", "observe", "run_example"]
+
+_ADD_FUNCS = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
+_IADD_FUNCS = {torch.Tensor.add_, torch.Tensor.__iadd__}
+# ops whose output does not depend on the *values* of their tensor inputs
+_VALUE_FREE = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
+               "randint_like", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
+# frames of torch's dispatch glue between the user's expression and the mode
+_GLUE_FILES = ("torch/overrides.py", "torch/_tensor.py", "torch/utils/_device.py")
+
+
+@dataclass
+class Node:
+    """One op of the observed forward (or a leaf: an input, a parameter, a buffer, a constant)."""
+
+    index: int
+    op: str
+    inputs: tuple
+    learned: bool = False      # consumes an nn.Parameter directly
+    module: str = ""           # innermost module running when the op ran
+    shape: Optional[tuple] = None
+    floating: bool = True
+
+
+@dataclass
+class AddEvent:
+    """One executed addition of two tensors."""
+
+    index: int
+    result: int
+    operands: tuple            # node ids of the two operands, in argument order
+    shapes: tuple
+    floating: bool
+    ndim: int
+    inplace: bool              # a += b / a.add_(b): operand 0 is mutated
+    code: Optional[CodeType]
+    position: Optional[tuple]  # (lineno, end_lineno, col, end_col) of the expression
+    filename: str
+    lineno: int
+    owner: Optional[nn.Module]
+    method_name: Optional[str]  # name on type(owner) of the method whose code ran the addition
+    function_name: str
+    not_candidate: Optional[str] = None  # alpha/out= etc.
+    stream_operand: Optional[int] = None  # 0 or 1 once classified as a merge
+    reason: Optional[str] = None          # why it is not a merge
+    branch_ops: frozenset = field(default_factory=frozenset)
+    feature_dim: int = -1                 # 1 when the branch starts with a convolution (channels-first)
+
+    @property
+    def is_merge(self) -> bool:
+        return self.stream_operand is not None
+
+    @property
+    def location(self) -> str:
+        return f"{short_path(self.filename)}:{self.lineno}"
+
+
+@dataclass
+class Observation:
+    nodes: list
+    events: list
+    module_paths: dict        # id(module) -> path
+    num_modules: int
+    num_ops: int
+
+
+def _method_name_for(owner_type: type, code: CodeType, cache: dict) -> Optional[str]:
+    key = (owner_type, code)
+    if key in cache:
+        return cache[key]
+    found = None
+    for klass in owner_type.__mro__:
+        for name, value in vars(klass).items():
+            fn = value
+            seen = 0
+            while fn is not None and seen < 16:
+                if getattr(fn, "__code__", None) is code:
+                    found = name
+                    break
+                fn = getattr(fn, "__wrapped__", None)
+                seen += 1
+            if found:
+                break
+        if found:
+            break
+    cache[key] = found
+    return found
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, module_paths: dict):
+        super().__init__()
+        self.nodes: list[Node] = []
+        self.events: list[AddEvent] = []
+        self.node_of: dict[int, int] = {}
+        self.keep: list = []
+        self.module_paths = module_paths
+        self.module_stack: list[str] = []
+        self.method_cache: dict = {}
+
+    # -- graph bookkeeping
+    def _node_for(self, t: torch.Tensor) -> int:
+        idx = self.node_of.get(id(t))
+        if idx is None:
+            idx = len(self.nodes)
+            kind = "param" if isinstance(t, nn.Parameter) else "leaf"
+            self.nodes.append(Node(idx, kind, (), False, "", tuple(t.shape), t.is_floating_point()))
+            self.node_of[id(t)] = idx
+            self.keep.append(t)
+        return idx
+
+    def _tensors(self, obj, out: list) -> list:
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            for o in obj:
+                self._tensors(o, out)
+        elif isinstance(obj, dict):
+            for o in obj.values():
+                self._tensors(o, out)
+        return out
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        in_tensors = self._tensors(args, [])
+        self._tensors(kwargs, in_tensors)
+        in_nodes = tuple(dict.fromkeys(self._node_for(t) for t in in_tensors))
+        is_add = func in _ADD_FUNCS or func in _IADD_FUNCS
+        operand_nodes = None
+        if is_add:
+            a = args[0] if args else kwargs.get("input")
+            b = args[1] if len(args) > 1 else kwargs.get("other")
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                operand_nodes = (self.node_of[id(a)], self.node_of[id(b)])
+                operand_meta = (tuple(a.shape), tuple(b.shape), a.is_floating_point() and b.is_floating_point(),
+                                a.dim())
+        result = func(*args, **kwargs)
+        out_tensors = self._tensors(result, [])
+        if out_tensors:
+            name = getattr(func, "__name__", type(func).__name__)
+            inputs = () if name in _VALUE_FREE else in_nodes
+            learned = any(self.nodes[i].op == "param" for i in inputs)
+            in_ids = {id(t) for t in in_tensors}
+            inplace = name.endswith("_") and not name.startswith("__") or name.startswith("__i")
+            new = None
+            for t in out_tensors:
+                if id(t) in in_ids and not inplace and "out" not in kwargs:
+                    continue  # an op that returned its input unchanged: keep the tensor's node
+                if new is None:
+                    new = len(self.nodes)
+                    self.nodes.append(Node(new, name, inputs, learned,
+                                           self.module_stack[-1] if self.module_stack else "",
+                                           tuple(t.shape), t.is_floating_point()))
+                self.node_of[id(t)] = new
+                self.keep.append(t)
+            if operand_nodes is not None:
+                self._record_add(func, args, kwargs, operand_nodes, operand_meta, out_tensors)
+        return result
+
+    def _record_add(self, func, args, kwargs, operand_nodes, meta, out_tensors) -> None:
+        frame: Optional[FrameType] = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename.replace("\\", "/").endswith(_GLUE_FILES):
+            frame = frame.f_back
+        not_candidate = None
+        alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+        if not isinstance(alpha, (int, float)) or alpha != 1:
+            not_candidate = f"scaled addition (alpha={alpha!r})"
+        if "out" in kwargs:
+            not_candidate = "addition with out="
+        code = frame.f_code if frame is not None else None
+        position = None
+        owner = None
+        method_name = None
+        lineno = 0
+        filename = "<unknown>"
+        if code is not None:
+            filename = code.co_filename
+            lineno = frame.f_lineno
+            positions = list(code.co_positions())
+            i = frame.f_lasti // 2
+            if 0 <= i < len(positions) and positions[i][0] is not None:
+                position = positions[i]
+                lineno = position[0]
+            if code.co_argcount > 0:
+                candidate = frame.f_locals.get(code.co_varnames[0])
+                if isinstance(candidate, nn.Module):
+                    owner = candidate
+                    method_name = _method_name_for(type(candidate), code, self.method_cache)
+        del frame
+        self.events.append(AddEvent(
+            index=len(self.events), result=self.node_of[id(out_tensors[0])], operands=operand_nodes,
+            shapes=(meta[0], meta[1]), floating=meta[2], ndim=meta[3],
+            inplace=func in _IADD_FUNCS, code=code, position=position, filename=filename, lineno=lineno,
+            owner=owner, method_name=method_name, function_name=code.co_name if code else "?",
+            not_candidate=not_candidate))
+
+
+def run_example(model: nn.Module, example_input: Any):
+    """Call ``model`` on ``example_input`` the Lightning way: tuple -> *args, dict -> **kwargs."""
+    if isinstance(example_input, tuple):
+        return model(*example_input)
+    if isinstance(example_input, dict):
+        return model(**example_input)
+    return model(example_input)
+
+
+def observe(model: nn.Module, example_input: Any) -> Observation:
+    """Run one forward of ``model`` under the recorder (RNG state restored) and classify the additions."""
+    module_paths: dict[int, str] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        module_paths.setdefault(id(mod), name)
+    rec = _Recorder(module_paths)
+
+    def pre_hook(mod, args):
+        rec.module_stack.append(module_paths.get(id(mod), "?"))
+
+    def post_hook(mod, args, output):
+        if rec.module_stack:
+            rec.module_stack.pop()
+
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    # the forward that will be trained: with autograd when the model is in training mode (inference fast
+    # paths, e.g. nn.TransformerEncoderLayer's, skip the Python code that holds the merges)
+    grad = torch.enable_grad() if model.training else torch.no_grad()
+    with torch.random.fork_rng(devices=devices), grad:
+        h1 = register_module_forward_pre_hook(pre_hook)
+        h2 = register_module_forward_hook(post_hook, always_call=True)
+        try:
+            with rec:
+                run_example(model, example_input)
+        finally:
+            h1.remove()
+            h2.remove()
+    for ev in rec.events:
+        _classify(ev, rec.nodes)
+    obs = Observation(rec.nodes, rec.events, module_paths, len(module_paths), len(rec.nodes))
+    rec.keep.clear()
+    return obs
+
+
+# ---------------------------------------------------------------------------------------------- classify
+def _path_between(nodes: list, src: int, dst: int):
+    """Nodes on paths src -> dst (excluding src), or None when src is not an ancestor of dst."""
+    if src >= dst:
+        return None
+    seen = {dst}
+    stack = [dst]
+    while stack:
+        n = stack.pop()
+        for i in nodes[n].inputs:
+            if i >= src and i not in seen:
+                seen.add(i)
+                stack.append(i)
+    if src not in seen:
+        return None
+    reach = {src}
+    for n in sorted(seen):
+        if n != src and any(i in reach for i in nodes[n].inputs):
+            reach.add(n)
+    reach.discard(src)
+    return reach
+
+
+def _ancestors(nodes: list, start: int, limit: int = 200000) -> set:
+    seen = {start}
+    stack = [start]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        for i in nodes[n].inputs:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return seen
+
+
+def _classify(ev: AddEvent, nodes: list) -> None:
+    a, b = ev.operands
+    if ev.not_candidate:
+        ev.reason = ev.not_candidate
+        return
+    if ev.shapes[0] != ev.shapes[1]:
+        ev.reason = (f"shapes differ ({_fmt(ev.shapes[0])} + {_fmt(ev.shapes[1])}): a broadcast addition "
+                     "(bias, mask or positional term)")
+        return
+    if not ev.floating:
+        ev.reason = "not floating point"
+        return
+    if ev.ndim == 0:
+        ev.reason = "0-dim tensors (a counter or a scalar)"
+        return
+    if a == b:
+        ev.reason = "adds a tensor to itself"
+        return
+    for stream, update, idx in ((a, b, 0), (b, a, 1)):
+        between = _path_between(nodes, stream, update)
+        if between is None:
+            continue
+        if not any(nodes[n].learned for n in between):
+            ev.reason = ("the update is computed from the stream without learned parameters "
+                         "(an elementwise expression, not a branch)")
+            return
+        ev.stream_operand = idx
+        ev.branch_ops = frozenset(nodes[n].op for n in between)
+        first = nodes[min(n for n in between if nodes[n].learned)]
+        ev.feature_dim = 1 if ev.ndim >= 3 and "conv" in first.op else -1
+        return
+    # neither operand depends on the other
+    anc_a = _ancestors(nodes, a)
+    anc_b = _ancestors(nodes, b)
+    common = [n for n in anc_a & anc_b if nodes[n].op != "param" and nodes[n].floating]
+    if not common:
+        ev.reason = ("combines independent tensors (neither operand depends on the other: "
+                     "e.g. a positional embedding, a mask or a bias)")
+        return
+    nca = max(common)
+    src = nodes[nca]
+    where = f"the output of {src.module}" if src.module else "one tensor"
+    if src.shape is not None and src.shape != ev.shapes[0]:
+        ev.reason = (f"projection shortcut: both operands are computed from {where} {_fmt(src.shape)}, "
+                     f"the sum has shape {_fmt(ev.shapes[0])}: there is no identity stream to merge into")
+    else:
+        ev.reason = ("combines two branches of one input (neither operand is the other's ancestor: "
+                     "e.g. parallel branches or a learned shortcut)")
+
+
+def short_path(filename: str) -> str:
+    """``filename`` relative to site-packages or the working directory when under them."""
+    norm = filename.replace("\\", "/")
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in norm:
+            return norm.rsplit(marker, 1)[1]
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:
+        return filename
+    return filename if rel.startswith("..") else rel
+
+
+def _fmt(shape) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"
