@@ -528,10 +528,21 @@ class MGRMerge(nn.Module):
                 self.forget_bias = nn.Parameter(torch.tensor(float(init.forget_bias or 0.0)))
 
     def gate_params(self):
-        """``(gate_query, gate_bias, forget_bias or None)``; all None for an accumulating merge."""
+        """``(gate_query, gate_bias, forget_bias or None)``; all None for an accumulating merge.
+
+        ``forget_bias`` is returned 0-d. The parameter itself is 0-d as the spec lists it, or (1,) after
+        :meth:`make_shardable` (FSDP2's ``fully_shard`` refuses 0-d parameters).
+        """
         if self.accumulating:
             return None, None, None
-        return self.gate_query, self.gate_bias, getattr(self, "forget_bias", None)
+        forget = getattr(self, "forget_bias", None)
+        return self.gate_query, self.gate_bias, None if forget is None else forget.reshape(())
+
+    def make_shardable(self) -> None:
+        """Store a 0-d ``forget_bias`` as a (1,) parameter (same value, same name) so that FSDP2 can shard it."""
+        forget = getattr(self, "forget_bias", None)
+        if forget is not None and forget.dim() == 0:
+            self.forget_bias = nn.Parameter(forget.detach().reshape(1), requires_grad=forget.requires_grad)
 
     def extra_repr(self) -> str:
         kind = "accumulating" if self.accumulating else f"gating={self.gating}"

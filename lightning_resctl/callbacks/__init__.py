@@ -1,0 +1,11 @@
+"""Lightning callbacks recording what the residual merges do (see ``shared/spec/diagnostics.md``).
+
+* :class:`ResidualControlCallback` — patch (optional) + per-depth diagnostics in TensorBoard.
+* :class:`ResidualAblationCallback` — validation-loss increase per skipped merge.
+* :func:`patch_in_configure_model` — the one-liner for models built and sharded in ``configure_model``.
+"""
+from .ablation import ResidualAblationCallback
+from .control import ResidualControlCallback
+from .sharded import patch_in_configure_model
+
+__all__ = ["ResidualControlCallback", "ResidualAblationCallback", "patch_in_configure_model"]

@@ -1,0 +1,71 @@
+"""Patching inside ``LightningModule.configure_model`` (FSDP2 / ModelParallelStrategy).
+
+With :class:`~lightning.pytorch.strategies.ModelParallelStrategy` the model is usually built *and*
+sharded (``fully_shard``) inside ``configure_model``, which runs after every callback's ``setup``.
+MGR adds parameters, which must exist before ``fully_shard`` so that they are sharded (DTensor) and
+handed to the optimizer. One line between building and sharding does it::
+
+    def configure_model(self):
+        if self.model is not None:
+            return
+        self.model = build_model()
+        patch_in_configure_model(self, self.model)   # <- applies the Trainer's ResidualControlCallback
+        for block in self.model.blocks:
+            fully_shard(block, mesh=self.device_mesh["data_parallel"])
+        fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from . import _common as C
+
+__all__ = ["patch_in_configure_model"]
+
+
+def patch_in_configure_model(pl_module: nn.Module, model: nn.Module | None = None, method: str | None = None,
+                             **options: Any):
+    """Patch the residual merges of ``model`` (default: ``pl_module`` itself; pass the submodule you
+    ``fully_shard``, e.g. ``self.model``, so that MGR's new parameters live inside it) now — call it inside
+    ``configure_model`` before ``fully_shard``. The example input is ``pl_module.example_input_array``
+    unless ``model`` has its own (or ``options`` has ``example_input``).
+
+    Uses the method and options of the :class:`ResidualControlCallback` attached to the module's Trainer;
+    without such a callback (or to override it) pass ``method`` and ``options`` (forwarded to
+    :func:`patch_residuals`). Does nothing when the module is patched already or when the callback only
+    observes (``method=None`` — observing needs no new parameters and is set up after ``configure_model``).
+    Returns the :class:`PatchReport` (or ``None`` when nothing was patched by this call).
+
+    FSDP2 refuses 0-d parameters, so competitive MGR's ``forget_bias`` is stored as a (1,) parameter
+    here (same name and value; :meth:`MGRMerge.make_shardable`).
+    """
+    from lightning_resctl.surgery import get_patch_report
+
+    from .control import ResidualControlCallback
+
+    target = pl_module if model is None else model
+    if C._surgery().merge_sites(pl_module):
+        return None
+    if method is not None:
+        C.check_method(method)
+        example_input = options.pop("example_input", None)
+        C.ensure_patched(target, method, example_input=example_input, method_options=options, example_from=pl_module)
+        return _shardable(get_patch_report(target), target)
+    trainer = getattr(pl_module, "_trainer", None)
+    callbacks = [cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, ResidualControlCallback)]
+    for cb in callbacks:
+        if cb.method is not None:
+            cb.patch(pl_module, target)
+            return _shardable(get_patch_report(target), target)
+    return None
+
+
+def _shardable(report, target: nn.Module):
+    from lightning_resctl.mgr import MGRMerge
+
+    for module in target.modules():
+        if isinstance(module, MGRMerge):
+            module.make_shardable()
+    return report
