@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from lightning_resctl._triton import triton_available
-from lightning_resctl.mgr import MGRChain, mgr_step_reference, saved_tensor_bytes
+from lightning_resctl.memory import saved_tensor_bytes
+from lightning_resctl.mgr import MGRChain, mgr_step_reference
 
 
 CLOCK = time.perf_counter

@@ -29,11 +29,11 @@ import copy
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 
+from lightning_resctl.memory import saved_tensor_bytes
 from lightning_resctl.rescontroller import _ResControllerFunction, rescontroller, rescontroller_reference
 
 OPTS = (0.18, 1.08, 8.0, 8.0, 1e-12)
@@ -145,56 +145,41 @@ def bench_merge(device, rows_for, dtypes, widths, reps):
 # ----------------------------------------------------------------------------------------------
 # part 2: a 12-layer GPT, controller in every merge vs plain addition
 # ----------------------------------------------------------------------------------------------
-def _load_nanogpt():
+def _load_test_model():
+    """tests/models.NanoGPT and tests/merge_wiring.wire_merges."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from merge_wiring import wire_merges
     from models import NanoGPT
 
-    return NanoGPT
+    return NanoGPT, wire_merges
 
 
-def _wire_merges(model, merge):
-    def forward(block, x):
-        x = merge(x, block.attn(block.ln_1(x)))
-        return merge(x, block.mlp(block.ln_2(x)))
-
-    for block in model.h:
-        block.forward = types.MethodType(forward, block)
-    return model
+def _lm_loss(model, idx):
+    return torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
 
 
 def _saved_bytes(model, idx, exclude_params: bool) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()} if exclude_params else set()
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+    nbytes, loss = saved_tensor_bytes(_lm_loss, model, idx, exclude=model.parameters() if exclude_params else None)
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return sum(storages.values())
+    return nbytes
 
 
 def bench_gpt(device, batch, reps):
-    NanoGPT = _load_nanogpt()
+    NanoGPT, wire_merges = _load_test_model()
     cfg = dict(n_layer=12, n_head=4, n_embd=256, vocab_size=256, block_size=64)
     torch.manual_seed(0)
     plain = NanoGPT(**cfg).to(device)
     models = {
         "plain": plain,
-        "controller": _wire_merges(copy.deepcopy(plain), lambda r, u: rescontroller(r, u, backend="torch")),
-        "reference": _wire_merges(copy.deepcopy(plain), rescontroller_reference),
+        "controller": wire_merges(copy.deepcopy(plain), lambda r, u: rescontroller(r, u, backend="torch")),
+        "reference": wire_merges(copy.deepcopy(plain), rescontroller_reference),
     }
     idx = torch.randint(0, cfg["vocab_size"], (batch, cfg["block_size"]), device=device)
 
     def step(model):
         model.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
-        loss.backward()
+        _lm_loss(model, idx).backward()
 
     for m in models.values():
         step(m)

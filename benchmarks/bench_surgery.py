@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from lightning_resctl.memory import saved_tensor_bytes  # noqa: E402
 from lightning_resctl.surgery import patch_residuals  # noqa: E402
 from tests.models import NanoGPT  # noqa: E402
 
@@ -58,26 +59,9 @@ def build(name: str, vocab: int, T: int, C: int, layers: int, heads: int):
 
 
 def saved_bytes(model, loss_fn, idx) -> int:
-    seen: dict = {}
-
-    def pack(t):
-        try:
-            storage = t.untyped_storage()
-            seen[(storage.data_ptr(), t.device)] = storage.nbytes()
-        except (RuntimeError, NotImplementedError):
-            seen[id(t)] = t.numel() * t.element_size()
-        return t
-
-    # a counting hook keeps every tensor as is: tell MGR it may keep its fallback inversion on (MGR turns the
-    # inversion off under other saved-tensor hooks, e.g. activation checkpointing or offloading)
-    pack._mgr_transparent = True
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_fn(model, idx)
-    # parameters are saved by every variant (the weights of the linears); count activations only
-    params = {(p.untyped_storage().data_ptr(), p.device) for p in model.parameters()}
-    total = sum(v for k, v in seen.items() if k not in params)
-    del loss
-    return total
+    """Activation bytes saved for backward by one loss: parameters are saved by every variant (the weights of
+    the linears), so they are left out; the counting hook leaves MGR's fallback inversion on."""
+    return saved_tensor_bytes(loss_fn, model, idx, exclude=model.parameters())[0]
 
 
 def bench(name: str, args) -> None:

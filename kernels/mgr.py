@@ -169,6 +169,20 @@ def _blocks(m_out: int, c: int, backward: bool = False) -> tuple[int, int, int]:
     return block_m, block_c, num_warps
 
 
+def _layout(streams: Tensor, gate_query: Optional[Tensor]):
+    """``(lead, m, C, m_out, gated, compute dtype)`` of a step on streams ``(*lead, m, C)``: a gated merge
+    (``gate_query`` given) keeps ``m_out = m`` streams, an accumulating one appends u (``m_out = m + 1``)."""
+    lead, m, c = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
+    gated = gate_query is not None
+    return lead, m, c, (m if gated else m + 1), gated, _compute_dtype(streams)
+
+
+def _token_rows(streams: Tensor, u: Tensor) -> tuple[Tensor, Tensor, int]:
+    """Contiguous token-major ``(T, m, C)`` streams, ``(T, C)`` u, and the token count T."""
+    s2 = streams.reshape(-1, *streams.shape[-2:]).contiguous()
+    return s2, u.reshape(-1, u.shape[-1]).contiguous(), s2.shape[0]
+
+
 def _check(streams: Tensor, u: Tensor, max_streams: int = 8) -> None:
     if streams.dim() < 2:
         raise ValueError(f"streams must be (..., m, C), got {tuple(streams.shape)}")
@@ -183,13 +197,8 @@ def _check(streams: Tensor, u: Tensor, max_streams: int = 8) -> None:
 def _fwd_impl(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
               gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], eps: float):
     _check(streams, u)
-    lead, m, c = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
-    gated = gate_query is not None
-    m_out = m if gated else m + 1
-    cd = _compute_dtype(streams)
-    s2 = streams.reshape(-1, m, c).contiguous()
-    u2 = u.reshape(-1, c).contiguous()
-    t = s2.shape[0]
+    lead, m, c, m_out, gated, cd = _layout(streams, gate_query)
+    s2, u2, t = _token_rows(streams, u)
     # outputs are allocated with their final shapes (contiguous), so that none of them is a view
     out = torch.empty((*lead, m_out, c), dtype=streams.dtype, device=streams.device)
     h = torch.empty((*lead, c), dtype=streams.dtype, device=streams.device)
@@ -223,13 +232,8 @@ def _num_programs(t: int, device: torch.device) -> int:
 def _bwd_impl(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
               gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], grad_out: Optional[Tensor],
               grad_h: Optional[Tensor], eps: float):
-    lead, m, c = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
-    gated = gate_query is not None
-    m_out = m if gated else m + 1
-    cd = _compute_dtype(streams)
-    s2 = streams.reshape(-1, m, c).contiguous()
-    u2 = u.reshape(-1, c).contiguous()
-    t = s2.shape[0]
+    lead, m, c, m_out, gated, cd = _layout(streams, gate_query)
+    s2, u2, t = _token_rows(streams, u)
     beta2 = beta.reshape(t, -1).contiguous() if gated else a
     a2 = a.reshape(t, m_out).contiguous()
     ds = torch.empty((*lead, m, c), dtype=streams.dtype, device=streams.device)
@@ -278,10 +282,7 @@ def mgr_step(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optiona
 
 @mgr_step.register_fake
 def _(streams, u, next_query, gate_query, gate_bias, forget_bias, eps):
-    lead, m, c = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
-    gated = gate_query is not None
-    m_out = m if gated else m + 1
-    cd = _compute_dtype(streams)
+    lead, m, c, m_out, gated, cd = _layout(streams, gate_query)
     return (streams.new_empty((*lead, m_out, c)), streams.new_empty((*lead, c)),
             streams.new_empty((*lead, m if gated else 0), dtype=cd), streams.new_empty((*lead, m_out), dtype=cd))
 

@@ -103,6 +103,42 @@ def _chain_backward(sgu, srr, suu, sru, d, ur, sr, ku, ks, eps):
 
 
 @triton.jit
+def _cast_options(n_cols, ur, sr, ku, ks, eps, CDT: tl.constexpr):
+    """The row length and the five options in the compute dtype."""
+    return (tl.cast(n_cols, CDT), tl.cast(ur, CDT), tl.cast(sr, CDT), tl.cast(ku, CDT), tl.cast(ks, CDT),
+            tl.cast(eps, CDT))
+
+
+@triton.jit
+def _load_row(ptr, offs, mask, CDT: tl.constexpr):
+    """One block of a row (0 past its end), in the compute dtype."""
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(CDT)
+
+
+@triton.jit
+def _blocked_sums(r_ptr, u_ptr, g_ptr, n_cols, CDT: tl.constexpr, BLOCK: tl.constexpr, WITH_G: tl.constexpr):
+    """Row sums Σr², Σu², Σru and (``WITH_G``) Σgu, read in column blocks of ``BLOCK`` (first pass of a long
+    row); without ``WITH_G`` ``g_ptr`` is not read and the last sum is 0."""
+    cols = tl.arange(0, BLOCK)
+    acc_rr = tl.zeros([BLOCK], dtype=CDT)
+    acc_uu = tl.zeros([BLOCK], dtype=CDT)
+    acc_ru = tl.zeros([BLOCK], dtype=CDT)
+    acc_gu = tl.zeros([BLOCK], dtype=CDT)
+    for start in range(0, n_cols, BLOCK):
+        mask = start + cols < n_cols
+        if WITH_G:
+            g = _load_row(g_ptr + start, cols, mask, CDT)
+        r = _load_row(r_ptr + start, cols, mask, CDT)
+        u = _load_row(u_ptr + start, cols, mask, CDT)
+        acc_rr += r * r
+        acc_uu += u * u
+        acc_ru += r * u
+        if WITH_G:
+            acc_gu += g * u
+    return tl.sum(acc_rr, axis=0), tl.sum(acc_uu, axis=0), tl.sum(acc_ru, axis=0), tl.sum(acc_gu, axis=0)
+
+
+@triton.jit
 def _fwd_kernel(
     r_ptr, u_ptr, out_ptr, n_cols,
     ur, sr, ku, ks, eps,
@@ -112,17 +148,12 @@ def _fwd_kernel(
     r_ptr += row
     u_ptr += row
     out_ptr += row
-    d = tl.cast(n_cols, CDT)
-    ur = tl.cast(ur, CDT)
-    sr = tl.cast(sr, CDT)
-    ku = tl.cast(ku, CDT)
-    ks = tl.cast(ks, CDT)
-    eps = tl.cast(eps, CDT)
+    d, ur, sr, ku, ks, eps = _cast_options(n_cols, ur, sr, ku, ks, eps, CDT)
     cols = tl.arange(0, BLOCK)
     if SINGLE:
         mask = cols < n_cols
-        r = tl.load(r_ptr + cols, mask=mask, other=0.0).to(CDT)
-        u = tl.load(u_ptr + cols, mask=mask, other=0.0).to(CDT)
+        r = _load_row(r_ptr, cols, mask, CDT)
+        u = _load_row(u_ptr, cols, mask, CDT)
         srr = tl.sum(r * r, axis=0)
         suu = tl.sum(u * u, axis=0)
         sru = tl.sum(r * u, axis=0)
@@ -130,25 +161,13 @@ def _fwd_kernel(
         out = r + (s_u * s_s) * u
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        acc_rr = tl.zeros([BLOCK], dtype=CDT)
-        acc_uu = tl.zeros([BLOCK], dtype=CDT)
-        acc_ru = tl.zeros([BLOCK], dtype=CDT)
-        for start in range(0, n_cols, BLOCK):
-            mask = start + cols < n_cols
-            r = tl.load(r_ptr + start + cols, mask=mask, other=0.0).to(CDT)
-            u = tl.load(u_ptr + start + cols, mask=mask, other=0.0).to(CDT)
-            acc_rr += r * r
-            acc_uu += u * u
-            acc_ru += r * u
-        srr = tl.sum(acc_rr, axis=0)
-        suu = tl.sum(acc_uu, axis=0)
-        sru = tl.sum(acc_ru, axis=0)
+        srr, suu, sru, _ = _blocked_sums(r_ptr, u_ptr, u_ptr, n_cols, CDT, BLOCK, False)
         s_u, s_s = _scales(srr, suu, sru, d, ur, sr, ku, ks, eps)
         a = s_u * s_s
         for start in range(0, n_cols, BLOCK):
             mask = start + cols < n_cols
-            r = tl.load(r_ptr + start + cols, mask=mask, other=0.0).to(CDT)
-            u = tl.load(u_ptr + start + cols, mask=mask, other=0.0).to(CDT)
+            r = _load_row(r_ptr + start, cols, mask, CDT)
+            u = _load_row(u_ptr + start, cols, mask, CDT)
             tl.store(out_ptr + start + cols, (r + a * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -164,18 +183,13 @@ def _bwd_kernel(
     u_ptr += row
     gr_ptr += row
     gu_ptr += row
-    d = tl.cast(n_cols, CDT)
-    ur = tl.cast(ur, CDT)
-    sr = tl.cast(sr, CDT)
-    ku = tl.cast(ku, CDT)
-    ks = tl.cast(ks, CDT)
-    eps = tl.cast(eps, CDT)
+    d, ur, sr, ku, ks, eps = _cast_options(n_cols, ur, sr, ku, ks, eps, CDT)
     cols = tl.arange(0, BLOCK)
     if SINGLE:
         mask = cols < n_cols
-        g = tl.load(g_ptr + cols, mask=mask, other=0.0).to(CDT)
-        r = tl.load(r_ptr + cols, mask=mask, other=0.0).to(CDT)
-        u = tl.load(u_ptr + cols, mask=mask, other=0.0).to(CDT)
+        g = _load_row(g_ptr, cols, mask, CDT)
+        r = _load_row(r_ptr, cols, mask, CDT)
+        u = _load_row(u_ptr, cols, mask, CDT)
         srr = tl.sum(r * r, axis=0)
         suu = tl.sum(u * u, axis=0)
         sru = tl.sum(r * u, axis=0)
@@ -184,29 +198,13 @@ def _bwd_kernel(
         tl.store(gr_ptr + cols, (g + c_rr * r + c_ru * u).to(gr_ptr.dtype.element_ty), mask=mask)
         tl.store(gu_ptr + cols, (a * g + c_uu * u + c_ru * r).to(gu_ptr.dtype.element_ty), mask=mask)
     else:
-        acc_rr = tl.zeros([BLOCK], dtype=CDT)
-        acc_uu = tl.zeros([BLOCK], dtype=CDT)
-        acc_ru = tl.zeros([BLOCK], dtype=CDT)
-        acc_gu = tl.zeros([BLOCK], dtype=CDT)
-        for start in range(0, n_cols, BLOCK):
-            mask = start + cols < n_cols
-            g = tl.load(g_ptr + start + cols, mask=mask, other=0.0).to(CDT)
-            r = tl.load(r_ptr + start + cols, mask=mask, other=0.0).to(CDT)
-            u = tl.load(u_ptr + start + cols, mask=mask, other=0.0).to(CDT)
-            acc_rr += r * r
-            acc_uu += u * u
-            acc_ru += r * u
-            acc_gu += g * u
-        srr = tl.sum(acc_rr, axis=0)
-        suu = tl.sum(acc_uu, axis=0)
-        sru = tl.sum(acc_ru, axis=0)
-        sgu = tl.sum(acc_gu, axis=0)
+        srr, suu, sru, sgu = _blocked_sums(r_ptr, u_ptr, g_ptr, n_cols, CDT, BLOCK, True)
         a, c_rr, c_uu, c_ru = _chain_backward(sgu, srr, suu, sru, d, ur, sr, ku, ks, eps)
         for start in range(0, n_cols, BLOCK):
             mask = start + cols < n_cols
-            g = tl.load(g_ptr + start + cols, mask=mask, other=0.0).to(CDT)
-            r = tl.load(r_ptr + start + cols, mask=mask, other=0.0).to(CDT)
-            u = tl.load(u_ptr + start + cols, mask=mask, other=0.0).to(CDT)
+            g = _load_row(g_ptr + start, cols, mask, CDT)
+            r = _load_row(r_ptr + start, cols, mask, CDT)
+            u = _load_row(u_ptr + start, cols, mask, CDT)
             tl.store(gr_ptr + start + cols, (g + c_rr * r + c_ru * u).to(gr_ptr.dtype.element_ty), mask=mask)
             tl.store(gu_ptr + start + cols, (a * g + c_uu * u + c_ru * r).to(gu_ptr.dtype.element_ty), mask=mask)
 

@@ -52,6 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from ._triton import kernel_module, triton_available, triton_runs_on
+from .memory import saved_tensor_bytes  # re-exported: it lived here first
 
 __all__ = [
     "MGRChain", "MGRMerge", "MGRPool", "MGRRun", "MGRInit", "mgr_bias_init", "rms_norm",
@@ -465,23 +466,6 @@ class _TieZeroGrad(torch.autograd.Function):
     def backward(ctx, g):
         shape, dtype, device = ctx.p_meta
         return g, torch.zeros(shape, dtype=dtype, device=device)
-
-
-def saved_tensor_bytes(fn: Callable, *args, **kwargs) -> tuple[int, object]:
-    """Run ``fn(*args, **kwargs)`` and count the bytes autograd saves for backward meanwhile (via
-    ``torch.autograd.graph.saved_tensors_hooks``), each storage once. Returns ``(bytes, fn's result)``."""
-    seen: dict[tuple, int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        st = t.untyped_storage()
-        seen[(st.device.type, st.data_ptr())] = st.nbytes()
-        return t
-
-    pack._mgr_transparent = True  # only observes: the chain keeps its inversion while measured
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        result = fn(*args, **kwargs)
-    return sum(seen.values()), result
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,19 +7,12 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_resctl.memory import saved_tensor_bytes
 from lightning_resctl.mgr import (MGRChain, MGRMerge, MGRPool, attn_pool_reference, mgr_bias_init,
-                                  mgr_gates_reference, mgr_merge_reference, saved_tensor_bytes)
+                                  mgr_gates_reference, mgr_merge_reference)
+from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 GATINGS = ("competitive", "independent")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # these tests run tiny ops: one intra-op thread avoids waiting on a busy shared CPU for every op
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def randomize(chain: MGRChain, query_std=1.0, bias_std=2.0, near_one_every=0, seed=1):

@@ -6,16 +6,9 @@ import torch
 
 from lightning_resctl._triton import kernel_module
 from lightning_resctl.mgr import MGRChain, mgr_step_reference
+from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 KINDS = ("competitive", "independent", "accumulating")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

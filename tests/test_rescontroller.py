@@ -8,12 +8,12 @@ from __future__ import annotations
 import copy
 import importlib
 import math
-import types
 
 import pytest
 import torch
 
 import lightning_resctl
+from lightning_resctl.memory import saved_tensor_bytes
 from lightning_resctl.rescontroller import (
     ControllerScales,
     ResController,
@@ -21,6 +21,7 @@ from lightning_resctl.rescontroller import (
     rescontroller_reference,
     rescontroller_scales,
 )
+from merge_wiring import wire_merges
 from models import NanoGPT
 
 BACKENDS = ["torch", "triton"]
@@ -453,40 +454,21 @@ def test_torch_compile_fullgraph(backend):
 # ------------------------------------------------------------------------------------------
 # the lean torch path in a 12-layer GPT: saved bytes and gradients
 # ------------------------------------------------------------------------------------------
-def _wire_merges(model, merge):
-    """Replace both residual additions of every NanoGPT block by ``merge(x, update)``."""
-
-    def forward(block, x):
-        x = merge(x, block.attn(block.ln_1(x)))
-        return merge(x, block.mlp(block.ln_2(x)))
-
-    for block in model.h:
-        block.forward = types.MethodType(forward, block)
-    return model
-
-
 def _saved_activation_bytes(model, idx):
     """Bytes saved for backward by one forward, each storage counted once, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+    nbytes, loss = saved_tensor_bytes(
+        lambda: torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()),
+        exclude=model.parameters(),
+    )
     loss.backward()
-    return sum(storages.values())
+    return nbytes
 
 
 def test_gpt_saved_bytes_and_gradients():
     cfg = dict(n_layer=12, n_head=4, n_embd=256, vocab_size=128, block_size=64)
     plain = NanoGPT(**cfg)
-    lean = _wire_merges(copy.deepcopy(plain), ResController(backend="torch"))
-    oracle = _wire_merges(copy.deepcopy(plain), rescontroller_reference)
+    lean = wire_merges(copy.deepcopy(plain), ResController(backend="torch"))
+    oracle = wire_merges(copy.deepcopy(plain), rescontroller_reference)
     idx = torch.randint(0, 128, (1, 64))
     plain_bytes = _saved_activation_bytes(plain, idx)
     lean_bytes = _saved_activation_bytes(lean, idx)
