@@ -28,6 +28,9 @@ _IADD_FUNCS = {torch.Tensor.add_, torch.Tensor.__iadd__}
 # ops whose output does not depend on the *values* of their tensor inputs
 _VALUE_FREE = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
                "randint_like", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
+# ops whose output depends on the values of their first tensor only; the other tensor gives a shape, dtype
+# or device (``pos.expand_as(x)`` is not computed from ``x``)
+_FIRST_INPUT_ONLY = {"expand_as", "type_as", "view_as", "reshape_as", "to"}
 # frames of torch's dispatch glue between the user's expression and the mode
 _GLUE_FILES = ("torch/overrides.py", "torch/_tensor.py", "torch/utils/_device.py")
 
@@ -39,10 +42,11 @@ class Node:
     index: int
     op: str
     inputs: tuple
-    learned: bool = False      # consumes an nn.Parameter directly
+    learned: bool = False      # consumes an nn.Parameter, or a tensor computed from parameters only
     module: str = ""           # innermost module running when the op ran
     shape: Optional[tuple] = None
     floating: bool = True
+    static: bool = False       # an nn.Parameter, or computed from parameters only (``W.t()``, weight_norm)
 
 
 @dataclass
@@ -127,7 +131,8 @@ class _Recorder(TorchFunctionMode):
         if idx is None:
             idx = len(self.nodes)
             kind = "param" if isinstance(t, nn.Parameter) else "leaf"
-            self.nodes.append(Node(idx, kind, (), False, "", tuple(t.shape), t.is_floating_point()))
+            self.nodes.append(Node(idx, kind, (), False, "", tuple(t.shape), t.is_floating_point(),
+                                   static=kind == "param"))
             self.node_of[id(t)] = idx
             self.keep.append(t)
         return idx
@@ -161,8 +166,9 @@ class _Recorder(TorchFunctionMode):
         out_tensors = self._tensors(result, [])
         if out_tensors:
             name = getattr(func, "__name__", type(func).__name__)
-            inputs = () if name in _VALUE_FREE else in_nodes
-            learned = any(self.nodes[i].op == "param" for i in inputs)
+            inputs = () if name in _VALUE_FREE else in_nodes[:1] if name in _FIRST_INPUT_ONLY else in_nodes
+            learned = any(self.nodes[i].static for i in inputs)
+            static = bool(inputs) and all(self.nodes[i].static for i in inputs)
             in_ids = {id(t) for t in in_tensors}
             inplace = name.endswith("_") and not name.startswith("__") or name.startswith("__i")
             new = None
@@ -173,7 +179,7 @@ class _Recorder(TorchFunctionMode):
                     new = len(self.nodes)
                     self.nodes.append(Node(new, name, inputs, learned,
                                            self.module_stack[-1] if self.module_stack else "",
-                                           tuple(t.shape), t.is_floating_point()))
+                                           tuple(t.shape), t.is_floating_point(), static))
                 self.node_of[id(t)] = new
                 self.keep.append(t)
             if operand_nodes is not None:
@@ -256,8 +262,11 @@ def observe(model: nn.Module, example_input: Any) -> Observation:
         finally:
             h1.remove()
             h2.remove()
+    merge_of: dict = {}   # result node of a merge -> its event
     for ev in rec.events:
-        _classify(ev, rec.nodes)
+        _classify(ev, rec.nodes, merge_of)
+        if ev.is_merge:
+            merge_of[ev.result] = ev
     obs = Observation(rec.nodes, rec.events, module_paths, len(module_paths), len(rec.nodes))
     rec.keep.clear()
     return obs
@@ -298,7 +307,7 @@ def _ancestors(nodes: list, start: int, limit: int = 200000) -> set:
     return seen
 
 
-def _classify(ev: AddEvent, nodes: list) -> None:
+def _classify(ev: AddEvent, nodes: list, merge_of: Optional[dict] = None) -> None:
     a, b = ev.operands
     if ev.not_candidate:
         ev.reason = ev.not_candidate
@@ -329,7 +338,18 @@ def _classify(ev: AddEvent, nodes: list) -> None:
         first = nodes[min(n for n in between if nodes[n].learned)]
         ev.feature_dim = 1 if ev.ndim >= 3 and "conv" in first.op else -1
         return
-    # neither operand depends on the other
+    # neither operand depends on the other. ``x + f(x) + g(x)`` (a parallel block written stream first):
+    # the outer addition adds g(x), a branch of the inner merge's stream, to that merge's result
+    for stream, update, idx in ((a, b, 0), (b, a, 1)):
+        prev = (merge_of or {}).get(stream)
+        while prev is not None and _inside(prev, ev):
+            between = _path_between(nodes, prev.operands[prev.stream_operand], update)
+            if between is not None and any(nodes[n].learned for n in between):
+                ev.stream_operand = idx
+                ev.branch_ops = frozenset(nodes[n].op for n in between)
+                ev.feature_dim = prev.feature_dim
+                return
+            prev = merge_of.get(prev.operands[prev.stream_operand])
     anc_a = _ancestors(nodes, a)
     anc_b = _ancestors(nodes, b)
     common = [n for n in anc_a & anc_b if nodes[n].op != "param" and nodes[n].floating]
@@ -346,6 +366,14 @@ def _classify(ev: AddEvent, nodes: list) -> None:
     else:
         ev.reason = ("combines two branches of one input (neither operand is the other's ancestor: "
                      "e.g. parallel branches or a learned shortcut)")
+
+
+def _inside(inner: AddEvent, outer: AddEvent) -> bool:
+    """``inner`` is an addition of the same expression as ``outer`` (same code, its span inside outer's)."""
+    p, q = inner.position, outer.position
+    if inner.code is not outer.code or p is None or q is None or None in p or None in q:
+        return False
+    return (p[0], p[2]) >= (q[0], q[2]) and (p[1], p[3]) <= (q[1], q[3])
 
 
 def short_path(filename: str) -> str:

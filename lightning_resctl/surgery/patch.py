@@ -294,6 +294,11 @@ def _plan(model: nn.Module, obs: Observation, method: str, include, exclude) -> 
         if id(ev.owner) not in paths:
             skip_reasons[ev.index] = "the addition runs in a module outside the model"
             continue
+        if isinstance(ev.owner, _CONTAINERS):
+            skip_reasons[ev.index] = (f"the addition runs in a container module ({type(ev.owner).__name__} is an "
+                                      "nn.Sequential/ModuleList/ModuleDict): a merge module registered on it would "
+                                      "be iterated as one of its layers")
+            continue
         if ev.position is None:
             skip_reasons[ev.index] = "no source position for the addition"
             continue
@@ -508,6 +513,8 @@ def _apply(model: nn.Module, plan: _Plan, method: str, options: dict, report: Pa
             if device is not None or dtype is not None:
                 mod.to(device=device, dtype=dtype)
             owner_path, owner = _lca_owner(model, [plan.paths[id(ev.owner)] for ev in chain])
+            if isinstance(owner, _CONTAINERS):  # the model itself is a Sequential/ModuleList: it would iterate it
+                owner_path, owner = plan.paths[id(chain[0].owner)], chain[0].owner
             n = taken.get(id(owner), 0)
             while f"{_CHAIN_PREFIX}{n}" in owner._modules:
                 n += 1
