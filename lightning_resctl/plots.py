@@ -102,17 +102,9 @@ def heatmap_figure(
     im = ax.imshow(masked, aspect="auto", origin="lower", interpolation="nearest", cmap=cmap)
     fig.colorbar(im, ax=ax)
     if xticks is not None:
-        if len(xticks) != arr.shape[1]:
-            raise ValueError(f"xticks has {len(xticks)} labels but matrix has {arr.shape[1]} columns")
-        idx = np.linspace(0, arr.shape[1] - 1, num=min(arr.shape[1], 8)).round().astype(int)
-        ax.set_xticks(idx)
-        ax.set_xticklabels([str(xticks[i]) for i in idx])
+        _label_axis(ax.set_xticks, ax.set_xticklabels, "xticks", xticks, arr.shape[1], "columns", most=8)
     if yticks is not None:
-        if len(yticks) != arr.shape[0]:
-            raise ValueError(f"yticks has {len(yticks)} labels but matrix has {arr.shape[0]} rows")
-        idx = np.linspace(0, arr.shape[0] - 1, num=min(arr.shape[0], 16)).round().astype(int)
-        ax.set_yticks(idx)
-        ax.set_yticklabels([str(yticks[i]) for i in idx])
+        _label_axis(ax.set_yticks, ax.set_yticklabels, "yticks", yticks, arr.shape[0], "rows", most=16)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -133,3 +125,12 @@ def figure_to_array(fig: Figure, *, close: bool = True) -> np.ndarray:
 
         plt.close(fig)
     return out
+
+
+def _label_axis(set_ticks, set_labels, name: str, labels: Sequence[Any], size: int, what: str, most: int) -> None:
+    """Label at most ``most`` evenly spaced positions of an axis of ``size`` cells with ``labels``."""
+    if len(labels) != size:
+        raise ValueError(f"{name} has {len(labels)} labels but matrix has {size} {what}")
+    idx = np.linspace(0, size - 1, num=min(size, most)).round().astype(int)
+    set_ticks(idx)
+    set_labels([str(labels[i]) for i in idx])

@@ -88,10 +88,14 @@ def _check_options(update_ratio, stream_ratio, update_softness, stream_softness,
     )
 
 
-def _check_dim(dim, ndim: int) -> int:
+def _check_dim_type(dim) -> int:
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
         raise TypeError(f"dim must be an int, got {dim!r} ({type(dim).__name__})")
-    dim = int(dim)
+    return int(dim)
+
+
+def _check_dim(dim, ndim: int) -> int:
+    dim = _check_dim_type(dim)
     if ndim == 0:
         raise ValueError("residual must have at least one dimension (the feature dim), got a 0-d tensor")
     if not -ndim <= dim < ndim:
@@ -418,9 +422,7 @@ class ResController(nn.Module):
         (self.update_ratio, self.stream_ratio, self.update_softness, self.stream_softness, self.eps) = (
             _check_options(update_ratio, stream_ratio, update_softness, stream_softness, eps)
         )
-        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
-            raise TypeError(f"dim must be an int, got {dim!r} ({type(dim).__name__})")
-        self.dim = int(dim)
+        self.dim = _check_dim_type(dim)
         self.backend = "auto"
         self.set_backend(backend)
 
