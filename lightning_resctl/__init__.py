@@ -1,9 +1,11 @@
 """lightning_resctl: controlled residual connections for PyTorch Lightning.
 
-Two merge rules replace the plain residual addition ``out = stream + update``:
+Merge rules replace the plain residual addition ``out = stream + update``
+(:func:`merge_rules` lists them; :func:`register_merge_rule` adds your own):
 
 * :class:`ResController` — a parameter-free, energy-aware merge;
-* Multi-Gate Residuals (:class:`MGRChain`) — n gated streams per token.
+* Multi-Gate Residuals (:class:`MGRChain`) — n gated streams per token;
+* the MGR paper's baselines (Attention Residuals, hyper-connections, mHC, mHC-lite).
 
 :func:`patch_residuals` rewrites the residual additions of any model into
 one of these merges (reversibly, with a report), and
@@ -38,6 +40,11 @@ _EXPORTS = {
     "merge_sites": "surgery",
     "load_unpatched_state_dict": "surgery",
     "MGRRun": "mgr",
+    "merge_rules": "rules",
+    "register_merge_rule": "rules",
+    "get_merge_rule": "rules",
+    "MergeRule": "rules",
+    "ChainRule": "rules",
     "ResidualControlCallback": "callbacks",
     "ResidualAblationCallback": "callbacks",
     "patch_in_configure_model": "callbacks",

@@ -300,16 +300,20 @@ def test_unpatched_checkpoint_into_patched_model():
     with pytest.raises(RuntimeError, match="Missing key"):
         model.load_state_dict(ckpt)
     new_keys = load_unpatched_state_dict(model, ckpt)
-    assert sorted(new_keys) == sorted(report.new_parameters) and len(new_keys) > 0
+    assert sorted(new_keys) == sorted(report.new_keys) and len(new_keys) > len(report.new_parameters) > 0
+    assert set(report.new_parameters) < set(new_keys)
+    assert all(k.endswith("._extra_state") for k in set(new_keys) - set(report.new_parameters))
     for name, p in ref.named_parameters():
         assert torch.equal(model.get_parameter(name), p)
     with pytest.raises(RuntimeError, match="unexpected keys"):
         load_unpatched_state_dict(model, {**ckpt, "bogus": torch.zeros(1)})
-    # ResController adds nothing: a plain strict load works
+    # ResController adds no parameter, but its sites' records are new keys: a strict load says so
     rc = _gpt()
-    patch_residuals(rc, method="rescontroller")
-    rc.load_state_dict(ckpt)
-    assert load_unpatched_state_dict(rc, ckpt) == []
+    rc_report = patch_residuals(rc, method="rescontroller")
+    with pytest.raises(RuntimeError, match="_extra_state"):
+        rc.load_state_dict(ckpt)
+    assert rc_report.new_parameters == []
+    assert sorted(load_unpatched_state_dict(rc, ckpt)) == sorted(rc_report.new_keys) and len(rc_report.new_keys) == 4
     assert torch.isfinite(model(x)).all()
 
 

@@ -89,6 +89,7 @@ class Observation:
     module_paths: dict        # id(module) -> path
     num_modules: int
     num_ops: int
+    call_counts: dict = field(default_factory=dict)   # id(module) -> forward calls in the observed forward
 
 
 def _method_name_for(owner_type: type, code: CodeType, cache: dict) -> Optional[str]:
@@ -240,8 +241,11 @@ def observe(model: nn.Module, example_input: Any) -> Observation:
         module_paths.setdefault(id(mod), name)
     rec = _Recorder(module_paths)
 
+    calls: dict[int, int] = {}
+
     def pre_hook(mod, args):
         rec.module_stack.append(module_paths.get(id(mod), "?"))
+        calls[id(mod)] = calls.get(id(mod), 0) + 1
 
     def post_hook(mod, args, output):
         if rec.module_stack:
@@ -267,7 +271,7 @@ def observe(model: nn.Module, example_input: Any) -> Observation:
         _classify(ev, rec.nodes, merge_of)
         if ev.is_merge:
             merge_of[ev.result] = ev
-    obs = Observation(rec.nodes, rec.events, module_paths, len(module_paths), len(rec.nodes))
+    obs = Observation(rec.nodes, rec.events, module_paths, len(module_paths), len(rec.nodes), calls)
     rec.keep.clear()
     return obs
 

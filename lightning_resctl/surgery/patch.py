@@ -11,14 +11,12 @@ from torch import nn
 from .observe import AddEvent, Observation, observe
 from .report import ChainInfo, PatchReport, SiteInfo, SkippedInfo
 from .rewrite import Edit, RewriteError, is_patched_class, patched_subclass, unwrap_depth
-from .sites import METHODS, ChainState, MergeSite
+from .sites import ChainEnd, ChainRun, ChainStart, MergeSite
 
 __all__ = ["patch_residuals", "unpatch_residuals", "get_patch_report", "merge_sites", "load_unpatched_state_dict"]
 
 _STATE_ATTR = "_resctl_patch"
 _SITE_PREFIX = "_resctl_site"
-_CHAIN_PREFIX = "_resctl_mgr"
-_RESCONTROLLER_OPTIONS = ("update_ratio", "stream_ratio", "update_softness", "stream_softness", "eps", "backend")
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
 
 
@@ -28,7 +26,8 @@ class _PatchState:
 
     report: PatchReport
     owners: list = field(default_factory=list)   # (module, original class, [site attribute names])
-    added: list = field(default_factory=list)    # (module, attribute name) of registered MGR chains
+    added: list = field(default_factory=list)    # (module, attribute name) of registered chain modules
+    hooks: list = field(default_factory=list)    # hook handles of the chains' owners
 
 
 # ---------------------------------------------------------------------------------------------- public API
@@ -40,21 +39,20 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
     A residual merge is an addition ``stream + update`` (any spelling: ``a + b``, ``b + a``,
     ``torch.add``, ``+=``, ``add_``) executed in a module's forward, where both operands have the same
     shape and the update is computed from the stream through a branch with learned parameters; the
-    stream is the chain input or the previous merge's result. Merges are found by running one forward
+    stream is the chain input or the previous merge's result. Merges are found by running the forward
     on ``example_input`` (default ``model.example_input_array``; a tuple is passed as ``*args``, a dict as
-    ``**kwargs``) and watching every addition; each one is rewritten in its forward's source into a call
-    of a :class:`MergeSite` computing
-
-    * ``method="add"``: ``stream + update`` (the control: bitwise equal to the unpatched model);
-    * ``method="rescontroller"``: ``r + s_u * s_s * u`` (``ResController``; options ``update_ratio``,
-      ``stream_ratio``, ``update_softness``, ``stream_softness``, ``eps``, ``backend``);
-    * ``method="mgr"``: Multi-Gate Residuals over each chain (options ``streams=4``,
-      ``gating="competitive"`` and the other ``MGRChain`` options). The model's code between merges sees
-      the pooled view that the next branch reads, with the original shape; the chain's last merge returns
-      the chain's output pool.
+    ``**kwargs``) in training and in eval mode and watching every addition; buffers, module attributes,
+    RNG state and the training flag are left exactly as they were. Each merge is rewritten in its
+    forward's source into a call of a :class:`MergeSite` that runs the merge rule ``method`` — any name in
+    :func:`lightning_resctl.merge_rules` (``"add"``, ``"rescontroller"``, ``"mgr"``, ``"mgr-competitive"``,
+    ...; ``method_options`` are that rule's options, e.g. ``streams=4`` for MGR). Chain rules (MGR and
+    the other stream-carrying rules) keep their state beside the model; the model's code between merges
+    sees tensors of the original shape.
 
     The model object, its parameter names and its modules' ``isinstance`` are kept (patched modules get
-    a per-instance subclass); :func:`unpatch_residuals` restores them exactly.
+    a per-instance subclass); :func:`unpatch_residuals` restores them exactly. The rule, its options and
+    the sites travel with ``state_dict`` (one ``_extra_state`` entry per site), so a patched checkpoint
+    fails to load into an unpatched model instead of loading silently.
 
     Args:
         include / exclude: module-path patterns (``fnmatch``; a plain name also matches its submodules)
@@ -62,24 +60,20 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
         allow_empty: return an empty report instead of raising when nothing is found.
 
     Raises:
-        ValueError: unknown ``method``/options, or no example input.
+        ValueError: unknown ``method``/options, a rule that refuses the model, or no example input.
         RuntimeError: the model is already patched, or no merge was found (unless ``allow_empty``).
         TypeError: the model is wrapped (DDP/FSDP/compiled): patch it before wrapping.
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    from ..rules import make_rule
+
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    rule = make_rule(method, method_options)
     _check_unwrapped(model)
     _check_not_patched(model)
-    options = _check_options(method, method_options)
-    if method == "mgr":
-        for path, mod in model.named_modules():
-            if getattr(mod, "gradient_checkpointing", False) is True:
-                raise ValueError(f"method='mgr' cannot be used with activation checkpointing (enabled on "
-                                 f"{path or type(model).__name__!r}): MGR's streams travel beside the model "
-                                 "between merges and a recomputed block would replay its merges. Disable "
-                                 "gradient checkpointing or use method='rescontroller'")
+    refusal = rule.refuse(model)
+    if refusal:
+        raise ValueError(refusal)
     if example_input is None:
         example_input = getattr(model, "example_input_array", None)
         if example_input is None:
@@ -89,11 +83,17 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
     exclude = _patterns(exclude, "exclude")
 
     t0 = time.perf_counter()
-    obs = observe(model, example_input)
-    plan = _plan(model, obs, method, include, exclude)
+    with preserved(model):
+        model.train()
+        obs = observe(model, example_input)
+        other = None
+        if rule.kind == "chain":
+            model.eval()
+            other = observe(model, example_input)
+    plan = _plan(model, obs, rule, include, exclude)
     searched = (f"searched {obs.num_modules} modules of {type(model).__name__}: one forward on the example input "
                 f"ran {obs.num_ops} torch ops, {len(obs.events)} additions of two tensors")
-    report = PatchReport(method=method, options=dict(options), skipped=plan.skipped, searched=searched)
+    report = PatchReport(method=method, options=rule.options(), skipped=plan.skipped, searched=searched)
     if not plan.merges:
         if allow_empty:
             report.patch_seconds = time.perf_counter() - t0
@@ -102,8 +102,9 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
         raise RuntimeError(f"patch_residuals found no residual merge to patch: {searched}. "
                            f"Skipped additions: {reasons}. (Pass allow_empty=True to accept this.)")
     before = set(model.state_dict().keys())
-    state = _apply(model, plan, method, options, report)
-    report.new_parameters = [k for k in model.state_dict().keys() if k not in before]
+    state = _apply(model, plan, rule, report, obs, other)
+    report.new_parameters = [k for k, _ in model.named_parameters() if k not in before]
+    report.new_keys = [k for k in model.state_dict().keys() if k not in before]
     report.patch_seconds = time.perf_counter() - t0
     model.__dict__[_STATE_ATTR] = state
     return report
@@ -115,6 +116,8 @@ def unpatch_residuals(model: nn.Module) -> None:
     ``model`` is the module that was patched, or a module holding it (e.g. a LightningModule whose
     ``self.model`` was patched): every patch found in it is undone. Outputs are bitwise identical to the
     model before patching (MGR parameters are dropped). Raises RuntimeError when nothing is patched."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__} {model!r}")
     states = _patch_states(model)
     if not states:
         raise RuntimeError(f"{type(model).__name__} is not patched (no patch_residuals state on it or in it)")
@@ -132,6 +135,8 @@ def unpatch_residuals(model: nn.Module) -> None:
         for module, attr in state.added:
             if attr in module._modules:
                 del module._modules[attr]
+        for handle in state.hooks:
+            handle.remove()
         del holder.__dict__[_STATE_ATTR]
 
 
@@ -159,12 +164,13 @@ def load_unpatched_state_dict(model: nn.Module, state_dict: dict) -> list:
 
     Every key of ``state_dict`` must match; the only keys allowed to be missing are the parameters the
     patch added (``report.new_parameters``: MGR's queries and biases), which keep their init. Returns the
-    list of those new keys. Raises RuntimeError for any other missing or unexpected key."""
+    list of those new keys (the sites' ``_extra_state`` records included). Raises RuntimeError for any other
+    missing or unexpected key."""
     report = get_patch_report(model)
     if report is None:
         raise RuntimeError("model is not patched: use model.load_state_dict")
     result = model.load_state_dict(state_dict, strict=False)
-    new = set(report.new_parameters)
+    new = set(report.new_parameters) | set(getattr(report, "new_keys", ()))
     missing = [k for k in result.missing_keys if k not in new]
     if missing or result.unexpected_keys:
         raise RuntimeError(f"checkpoint does not match the unpatched model: missing keys {missing}, "
@@ -192,32 +198,6 @@ def _check_not_patched(model: nn.Module) -> None:
         if isinstance(mod, MergeSite) or is_patched_class(type(mod)):
             raise RuntimeError(f"module {path!r} of {type(model).__name__} is already patched: patching twice is "
                                "refused; call unpatch_residuals on the model that was patched first")
-
-
-def _check_options(method: str, options: dict) -> dict:
-    if method == "add":
-        if options:
-            raise ValueError(f"method='add' takes no options, got {sorted(options)}")
-        return {}
-    if method == "rescontroller":
-        bad = set(options) - set(_RESCONTROLLER_OPTIONS) - {"dim"}
-        if bad:
-            raise ValueError(f"unknown option(s) for method='rescontroller': {sorted(bad)} "
-                             f"(valid: {list(_RESCONTROLLER_OPTIONS)})")
-        return dict(options)
-    import inspect
-
-    from ..mgr import MGRChain
-
-    valid = [p for p in inspect.signature(MGRChain.__init__).parameters if p not in ("self", "dim", "num_merges")]
-    bad = set(options) - set(valid)
-    if bad:
-        raise ValueError(f"unknown option(s) for method='mgr': {sorted(bad)} (valid: {valid}; dim and num_merges "
-                         "come from the model)")
-    out = dict(options)
-    out.setdefault("streams", 4)
-    out.setdefault("gating", "competitive")
-    return out
 
 
 def _patterns(value, name: str) -> Optional[list]:
@@ -273,7 +253,7 @@ def _source_line(ev: AddEvent) -> str:
     return " ".join(b.decode(errors="replace").strip() for b in lines if b.strip())
 
 
-def _plan(model: nn.Module, obs: Observation, method: str, include, exclude) -> _Plan:
+def _plan(model: nn.Module, obs: Observation, rule, include, exclude) -> _Plan:
     paths = obs.module_paths
     skip_reasons: dict = {}   # event index -> reason
 
@@ -333,7 +313,7 @@ def _plan(model: nn.Module, obs: Observation, method: str, include, exclude) -> 
     # chains (and, for MGR, one chain per site)
     while True:
         chains = _build_chains(candidates, obs.nodes)
-        if method != "mgr":
+        if rule.kind != "chain":
             break
         chain_of = {}
         for ci, chain in enumerate(chains):
@@ -344,7 +324,8 @@ def _plan(model: nn.Module, obs: Observation, method: str, include, exclude) -> 
             break
         for ev in candidates:
             if _site_key(ev) in bad:
-                skip_reasons[ev.index] = "one expression runs merges of several chains (shared module): MGR needs one"
+                skip_reasons[ev.index] = (f"one expression runs merges of several chains (shared module): "
+                                          f"method={rule.name!r} carries one chain's state per site")
         candidates = [ev for ev in candidates if _site_key(ev) not in bad]
         candidates, methods, rewritten = _prepare_rewrites(candidates, skip_reasons)
 
@@ -485,7 +466,55 @@ def _lca_owner(model: nn.Module, paths: list) -> tuple:
         common.pop()
 
 
-def _apply(model: nn.Module, plan: _Plan, method: str, options: dict, report: PatchReport) -> _PatchState:
+def _chain_owner(model: nn.Module, plan: _Plan, chain: list) -> tuple:
+    """Where a chain's module is registered: the nearest common ancestor of its merges' modules that is not
+    a container (a Sequential/ModuleList would iterate it as a layer)."""
+    owner_path, owner = _lca_owner(model, [plan.paths[id(ev.owner)] for ev in chain])
+    if isinstance(owner, _CONTAINERS):  # the model itself is a Sequential/ModuleList
+        owner_path, owner = plan.paths[id(chain[0].owner)], chain[0].owner
+    return owner_path, owner
+
+
+def _chain_scope(model: nn.Module, obs: Observation, paths: list) -> nn.Module:
+    """The module whose forward delimits one run of a chain: from the common ancestor of the chain's
+    modules ``paths`` up, the first module that the observed forward called exactly once (at worst the
+    model itself)."""
+    split = [p.split(".") if p else [] for p in paths]
+    common = []
+    for parts in zip(*split):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    path = ".".join(common)
+    while True:
+        mod = model.get_submodule(path) if path else model
+        if obs.call_counts.get(id(mod), 0) == 1 or not path:
+            return mod
+        path = path.rpartition(".")[0]
+
+
+def _expected_positions(plan: _Plan, sites: dict, other: Optional[Observation], chain_of: dict) -> dict:
+    """Per chain: the positions observed in eval mode (by matching each eval-mode addition to its site and
+    taking that site's positions in order). Training mode runs every position by construction."""
+    if other is None:
+        return {}
+    out: dict = {}
+    calls: dict = {}
+    for ev in other.events:
+        if ev.owner is None or ev.position is None:
+            continue
+        site = sites.get((id(ev.owner), ev.method_name, ev.position))
+        if site is None:
+            continue
+        n = calls.get(id(site), 0)
+        calls[id(site)] = n + 1
+        if n < len(site.positions):
+            out.setdefault(chain_of[id(site)], []).append(site.positions[n])
+    return out
+
+
+def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observation,
+           other: Optional[Observation]) -> _PatchState:
     state = _PatchState(report=report)
     chain_index = {}
     position_of = {}
@@ -493,43 +522,36 @@ def _apply(model: nn.Module, plan: _Plan, method: str, options: dict, report: Pa
         for k, ev in enumerate(chain):
             chain_index[ev.index] = ci
             position_of[ev.index] = k
-    chain_dims = [options.get("dim", _chain_dim(chain)) if method == "rescontroller" else _chain_dim(chain)
-                  for chain in plan.chains]
+    chain_dims = [_chain_dim(chain) for chain in plan.chains]
+    is_chain = rule.kind == "chain"
 
-    # merge modules
-    mgr_chains: list = [None] * len(plan.chains)
-    mgr_states: list = [None] * len(plan.chains)
-    if method == "mgr":
-        from ..mgr import MGRChain
-
-        taken: dict = {}
-        for ci, chain in enumerate(plan.chains):
-            d = chain_dims[ci]
-            width = chain[0].shapes[0][d]
-            mod = MGRChain(dim=width, num_merges=len(chain), **options)
-            ref = chain[0].owner
-            device = _first_tensor_device(ref)
-            dtype = _first_float_dtype(ref)
-            if device is not None or dtype is not None:
-                mod.to(device=device, dtype=dtype)
-            owner_path, owner = _lca_owner(model, [plan.paths[id(ev.owner)] for ev in chain])
-            if isinstance(owner, _CONTAINERS):  # the model itself is a Sequential/ModuleList: it would iterate it
-                owner_path, owner = plan.paths[id(chain[0].owner)], chain[0].owner
-            n = taken.get(id(owner), 0)
-            while f"{_CHAIN_PREFIX}{n}" in owner._modules:
-                n += 1
-            taken[id(owner)] = n + 1
-            attr = f"{_CHAIN_PREFIX}{n}"
-            owner.add_module(attr, mod)
-            state.added.append((owner, attr))
-            mgr_chains[ci] = mod
-            mgr_states[ci] = ChainState()
-            report.chains.append(ChainInfo(ci, len(chain), chain[0].shapes[0], d,
-                                           owner=(owner_path + "." if owner_path else "") + attr, module=mod,
-                                           note=getattr(mod, "init_note", None)))
-    else:
-        for ci, chain in enumerate(plan.chains):
-            report.chains.append(ChainInfo(ci, len(chain), chain[0].shapes[0], chain_dims[ci]))
+    # chain modules (chain rules): one per chain, registered on the chain's owner
+    chain_modules: list = [None] * len(plan.chains)
+    owners: list = [None] * len(plan.chains)
+    for ci, chain in enumerate(plan.chains):
+        d = chain_dims[ci]
+        if not is_chain:
+            report.chains.append(ChainInfo(ci, len(chain), chain[0].shapes[0], d))
+            continue
+        width = chain[0].shapes[0][d]
+        mod = rule.build_chain(width, len(chain))
+        ref = chain[0].owner
+        device = _first_tensor_device(ref)
+        dtype = _first_float_dtype(ref)
+        if device is not None or dtype is not None:
+            mod.to(device=device, dtype=dtype)
+        owner_path, owner = _chain_owner(model, plan, chain)
+        n = 0
+        while f"{rule.chain_attr}{n}" in owner._modules:
+            n += 1
+        attr = f"{rule.chain_attr}{n}"
+        owner.add_module(attr, mod)
+        state.added.append((owner, attr))
+        chain_modules[ci] = mod
+        owners[ci] = _chain_scope(model, obs, [plan.paths[id(ev.owner)] for ev in chain])
+        report.chains.append(ChainInfo(ci, len(chain), chain[0].shapes[0], d,
+                                       owner=(owner_path + "." if owner_path else "") + attr, module=mod,
+                                       note=getattr(mod, "init_note", None)))
 
     # sites
     sites: dict = {}
@@ -541,16 +563,25 @@ def _apply(model: nn.Module, plan: _Plan, method: str, options: dict, report: Pa
         inplace = None
         if ev0.inplace:
             inplace = "stream" if ev0.stream_operand == 0 else "update"
-        merge = None
-        if method == "rescontroller":
-            from ..rescontroller import ResController
-
-            opts = {k: v for k, v in options.items() if k != "dim"}
-            merge = ResController(**opts, dim=d)
+        merge = None if is_chain else rule.build_merge(d)
         sites[key] = MergeSite(
-            method, path=plan.paths[id(ev0.owner)], location=ev0.location, source_line=_source_line(ev0),
+            rule, path=plan.paths[id(ev0.owner)], location=ev0.location, source_line=_source_line(ev0),
             stream_shape=ev0.shapes[0], chain=ci, positions=positions, dim=d, inplace=inplace, merge=merge,
-            mgr_chain=mgr_chains[ci], mgr_state=mgr_states[ci])
+            chain_module=chain_modules[ci], run=None if not is_chain else _PENDING)
+
+    # chain runs: expected merges per mode, reset/check hooks on each chain's owner
+    if is_chain:
+        chain_of = {id(site): site.chain for site in sites.values()}
+        eval_positions = _expected_positions(plan, sites, other, chain_of)
+        runs = {}
+        for ci, chain in enumerate(plan.chains):
+            expected = {"train": range(len(chain)), "eval": eval_positions.get(ci, ())}
+            run = ChainRun(ci, len(chain), expected)
+            runs[ci] = run
+            state.hooks.append(owners[ci].register_forward_pre_hook(ChainStart(run)))
+            state.hooks.append(owners[ci].register_forward_hook(ChainEnd(run), always_call=True))
+        for site in sites.values():
+            site.__dict__["_run"] = runs[site.chain]
 
     # bind: register sites, swap classes
     for oid, (owner, spec, attrs) in plan.methods.items():
@@ -568,9 +599,12 @@ def _apply(model: nn.Module, plan: _Plan, method: str, options: dict, report: Pa
         site = sites[_site_key(ev)]
         report.sites.append(SiteInfo(
             path=site.path, location=site.location, source_line=site.source_line, stream_shape=site.stream_shape,
-            chain=chain_index[ev.index], position=position_of[ev.index], method=method, dim=site.dim,
+            chain=chain_index[ev.index], position=position_of[ev.index], method=rule.name, dim=site.dim,
             stream_operand="left" if ev.stream_operand == 0 else "right", site=site))
     return state
+
+
+_PENDING = ChainRun(-1, 0, {})  # placeholder until the chain's run is built
 
 
 def _first_tensor_device(module: nn.Module):
@@ -586,3 +620,72 @@ def _first_float_dtype(module: nn.Module):
         if t.is_floating_point():
             return t.dtype
     return None
+
+
+# ---------------------------------------------------------------------------------------------- observation
+class preserved:
+    """Context manager: whatever a forward run inside does to ``model`` — buffers (BatchNorm running stats,
+    ``num_batches_tracked``), plain Python attributes of its modules (counters, caches), the training flags
+    and the global RNG state — is undone on exit."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self):
+        import copy
+
+        import torch
+
+        self.training = [(m, m.training) for m in self.model.modules()]
+        self.buffers = [(m, name, b, b.detach().clone()) for m in self.model.modules()
+                        for name, b in m._buffers.items() if b is not None]
+        self.buffer_names = [(m, set(m._buffers)) for m in self.model.modules()]
+        self.attrs = []
+        for m in self.model.modules():
+            plain = {}
+            for k, v in vars(m).items():
+                if k.startswith("_") and k in _MODULE_INTERNALS:
+                    continue
+                plain[k] = (v, copy.copy(v) if isinstance(v, (list, dict, set)) else None)
+            self.attrs.append((m, plain))
+        self.rng = torch.random.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        for m, names in self.buffer_names:
+            for name in list(m._buffers):
+                if name not in names:
+                    del m._buffers[name]
+        with torch.no_grad():
+            for m, name, b, saved in self.buffers:
+                if m._buffers.get(name) is not b:
+                    m._buffers[name] = b
+                if b.shape == saved.shape:
+                    b.copy_(saved)
+                else:
+                    m._buffers[name] = saved
+        for m, plain in self.attrs:
+            d = vars(m)
+            for k in [k for k in d if k not in plain and not (k.startswith("_") and k in _MODULE_INTERNALS)]:
+                del d[k]
+            for k, (v, shallow) in plain.items():
+                d[k] = v
+                if shallow is not None:
+                    v.clear()
+                    v.update(shallow) if not isinstance(v, list) else v.extend(shallow)
+        for m, flag in self.training:
+            m.training = flag
+        torch.random.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        return False
+
+
+_MODULE_INTERNALS = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks",
+                     "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
+                     "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+                     "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                     "_load_state_dict_post_hooks"}

@@ -19,7 +19,7 @@ class SiteInfo:
     stream_shape: tuple       # shape of the stream (and of the update) as the model sees it
     chain: int                # chain id (0, 1, ...) in order of first execution
     position: int             # depth of this merge in its chain (0 = first merge)
-    method: str               # "add", "rescontroller" or "mgr"
+    method: str               # the merge rule's registered name
     dim: int = -1             # feature dim as the model sees it (-1, or 1 for channels-first)
     stream_operand: str = ""  # "left" or "right": which operand of the addition is the stream
     site: Any = field(default=None, repr=False, compare=False)  # the MergeSite that runs this merge
@@ -98,6 +98,7 @@ class PatchReport:
     skipped: list[SkippedInfo] = field(default_factory=list)
     chains: list[ChainInfo] = field(default_factory=list)
     new_parameters: list[str] = field(default_factory=list)
+    new_keys: list[str] = field(default_factory=list)  # every state_dict key the patch added (sites' records too)
     searched: str = ""        # what the search covered (module count, additions seen)
     patch_seconds: float = 0.0
 

@@ -1,70 +1,134 @@
-"""MergeSite: the runtime object a patched residual addition calls.
+"""MergeSite: the runtime object a patched residual addition calls; ChainRun: one chain's per-forward state.
 
 A patched expression ``stream + update`` (or ``update + stream``, ``torch.add``, ``+=``, ``add_``) becomes
-``self.<site>(stream, update)``. The site computes
+``self.<site>(stream, update)``. The site asks its merge rule (:mod:`lightning_resctl.rules`):
 
-* ``method="add"``:           ``stream + update`` (in place when the original was in place);
-* ``method="rescontroller"``: ``ResController(stream, update)`` (``out = r + s_u * s_s * u``);
-* ``method="mgr"``:           one merge of a Multi-Gate Residuals chain. The chain's n streams
-  ``S (..., n_k, C)`` travel beside the model in a per-chain state; what the site returns (and what the
-  model's own code sees between merges) is the pooled view ``h`` that the next merge's branch reads —
-  or, after the chain's last merge, the chain's output pool — always with the stream's original shape.
+* a per-merge rule computes ``rule.merge(module, stream, update)``;
+* a chain rule keeps the chain's state (e.g. MGR's n streams) in a :class:`ChainRun` beside the model;
+  what the site returns — what the model's own code sees between merges — always has the stream's shape.
+
+Chain bookkeeping (why a forward can never continue another forward's chain):
+
+* a site's chain position is a property of the site (``positions``; an expression run several times per
+  forward, e.g. in a ``for`` loop, has one position per run, taken in order);
+* the chain's state is reset when the forward of the chain's *owner* (the innermost module whose single
+  call encloses the whole chain) starts, and cleared when it ends, also after an exception;
+* merges that do not run in the current mode (``if self.training: x = x + f(x)``) were seen when the patch
+  observed the model in that mode: the previous merge then reads for the next merge that does run, and the
+  skipped one leaves the state as it is; the output is produced by the last merge that runs;
+* anything else (a merge that runs twice, out of order, or a chain that stops early) raises a RuntimeError
+  naming the site at that forward — never a silently different network.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+import json
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["MergeSite", "ChainState"]
-
-METHODS = ("add", "rescontroller", "mgr")
+__all__ = ["MergeSite", "ChainRun"]
 
 
-class ChainState:
-    """Per-forward state of one MGR chain, shared by the chain's sites (a plain object, not a Module).
+class ChainRun:
+    """Per-forward state of one chain, shared by the chain's sites (a plain object, not a Module).
 
-    ``k``: index of the next merge to run; ``streams``: the streams entering merge ``k`` (``None``
-    between forwards, so nothing is kept alive after the chain's last merge).
-    """
+    ``expected``: ``{"train": positions, "eval": positions}`` — the merges observed to run in each mode."""
 
-    def __init__(self) -> None:
-        self.k = 0
-        self.streams: Optional[torch.Tensor] = None
+    def __init__(self, index: int, num_merges: int, expected: dict) -> None:
+        self.index = index
+        self.num_merges = num_merges
+        self.expected = {mode: tuple(sorted(p)) for mode, p in expected.items()}
+        self._next = {}
+        for mode in ("train", "eval"):
+            seq = self.expected.get(mode) or self.expected.get("train", ())
+            self._next[mode] = {k: (seq[i + 1] if i + 1 < len(seq) else num_merges) for i, k in enumerate(seq)}
+        self.reset()
+
+    def reset(self) -> None:
+        self.state: Any = None
+        self.last = -1            # position of the last merge run in this forward
+        self.done = False         # the chain produced its output in this forward
+        self.last_site: Optional[str] = None
+        self.calls: dict = {}     # id(site) -> runs in this forward
+
+    def next_after(self, k: int, training: bool) -> int:
+        """The next position expected to run after ``k`` in this mode (``num_merges``: none, output)."""
+        nxt = self._next["train" if training else "eval"].get(k)
+        if nxt is None:
+            raise RuntimeError(
+                f"merge {k} of residual chain {self.index} ran in {'training' if training else 'eval'} mode, where it "
+                "was not observed when the model was patched: a stream-carrying rule needs the same merges in every "
+                "forward of one mode")
+        return nxt
 
     def __deepcopy__(self, memo):
-        return ChainState()
+        return ChainRun(self.index, self.num_merges, self.expected)
+
+    def __getstate__(self):
+        return {"index": self.index, "num_merges": self.num_merges, "expected": self.expected}
+
+    def __setstate__(self, state):
+        self.__init__(state["index"], state["num_merges"], state["expected"])
+
+
+class ChainStart:
+    """Forward pre-hook of a chain's owner: a new forward starts a new chain run."""
+
+    def __init__(self, run: ChainRun) -> None:
+        self.run = run
+
+    def __call__(self, module, args):
+        self.run.reset()
+
+
+class ChainEnd:
+    """Forward hook (``always_call``) of a chain's owner: the run must have produced the chain's output."""
+
+    def __init__(self, run: ChainRun) -> None:
+        self.run = run
+
+    def __call__(self, module, args, output):
+        run = self.run
+        unfinished = run.last >= 0 and not run.done
+        where = run.last_site
+        last = run.last
+        run.reset()
+        if unfinished and output is not None:
+            raise RuntimeError(
+                f"residual chain {run.index} stopped after merge {last} (site {where}) of {run.num_merges}: the "
+                f"merges that were observed to follow it in {'training' if module.training else 'eval'} mode did "
+                "not run in this forward, so the chain's output was never produced. A stream-carrying rule needs "
+                "the same merges in every forward of one mode (a data-dependent number of merges is not supported); "
+                "use a per-merge rule (e.g. method='rescontroller') for this model")
 
 
 class MergeSite(nn.Module):
     """One patched residual addition.
 
     Attributes: ``path`` (module path of the module whose forward holds the addition), ``location``
-    ("file:line"), ``source_line``, ``stream_shape``, ``chain`` (chain id), ``position`` (depth of
-    the merge in its chain; ``positions`` lists all of them when one expression runs several merges
-    per forward, e.g. ``for f in self.layers: x = x + f(x)``), ``method``, ``dim`` (feature dim of
-    the stream as the model sees it: -1, or 1 for channels-first), ``module`` (the merge module:
-    ``ResController``, the ``MGRMerge`` of ``position``, or ``None`` for "add").
+    ("file:line"), ``source_line``, ``stream_shape``, ``chain`` (chain id), ``position`` (depth of the merge
+    in its chain; ``positions`` lists all of them when one expression runs several merges per forward),
+    ``method`` (the rule's registered name), ``rule`` (the configured :class:`~lightning_resctl.rules.MergeRule`),
+    ``dim`` (feature dim of the stream as the model sees it), ``module`` (the merge module of ``position``).
 
     Runtime switches:
 
-    * ``observer``: ``None`` or ``observer(site, stream, update, streams)``, called each time the site
-      runs with the real tensors; ``streams`` is the MGR stream tensor entering the merge
-      (``(..., n_k, C)``, features last) or ``None``.
-    * ``skip_update``: ablation — return the stream unchanged (MGR: keep the streams, pool them).
+    * ``observer``: ``None`` or ``observer(site, stream, update, streams)``, called each time the site runs
+      with the real tensors; ``site.current_position`` is the position of that run and ``streams`` the
+      chain's stream tensor entering it (chain rules that have one), else ``None``.
+    * ``skip_update``: ablation — the update is dropped (per-merge: return the stream).
     """
 
-    def __init__(self, method: str, *, path: str = "", location: str = "", source_line: str = "",
+    def __init__(self, rule: Any, *, path: str = "", location: str = "", source_line: str = "",
                  stream_shape: tuple = (), chain: int = 0, positions: tuple = (0,), dim: int = -1,
                  inplace: Optional[str] = None, merge: Optional[nn.Module] = None,
-                 mgr_chain: Optional[nn.Module] = None, mgr_state: Optional[ChainState] = None):
+                 chain_module: Optional[nn.Module] = None, run: Optional[ChainRun] = None):
         super().__init__()
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if inplace not in (None, "stream", "update"):
             raise ValueError(f"inplace must be None, 'stream' or 'update', got {inplace!r}")
-        self.method = method
+        self.rule = rule
+        self.method = rule.name
         self.path = path
         self.location = location
         self.source_line = source_line
@@ -72,95 +136,147 @@ class MergeSite(nn.Module):
         self.chain = chain
         self.positions = tuple(positions)
         self.position = self.positions[0]
+        self.current_position = self.position
         self.dim = dim
         self.inplace = inplace
+        self.branch = ""
         self.observer: Optional[Callable] = None
         self.skip_update = False
-        if method == "rescontroller":
-            if merge is None:
-                raise ValueError("method='rescontroller' needs merge=<ResController>")
-            self.merge = merge
-        else:
-            self.merge = None
-        # The MGR chain is registered once, higher up in the model; keep it out of this module's
+        self.merge = merge
+        # The chain module is registered once, higher up in the model; keep it out of this module's
         # children so its parameters have a single name.
-        self.__dict__["_mgr_chain"] = mgr_chain
-        self.__dict__["_mgr_state"] = mgr_state
-        self._starts_chain = self.positions == (0,)
-        self._chain_length = len(mgr_chain.merges) if mgr_chain is not None else 0
-        if method == "mgr" and (mgr_chain is None or mgr_state is None):
-            raise ValueError("method='mgr' needs mgr_chain and mgr_state")
+        self.__dict__["_chain_module"] = chain_module
+        self.__dict__["_run"] = run
+        if rule.kind == "chain" and (chain_module is None or run is None):
+            raise ValueError(f"method={rule.name!r} is a chain rule: the site needs chain_module and run")
 
     # ------------------------------------------------------------------ introspection
     @property
     def module(self) -> Optional[nn.Module]:
-        """The merge module of ``position`` (ResController / MGRMerge), or None for "add"."""
+        """The merge module of ``position`` (e.g. ResController / MGRMerge), or None."""
         return self.merge_module(self.position)
 
     def merge_module(self, position: int) -> Optional[nn.Module]:
-        if self.method == "rescontroller":
-            return self.merge
-        if self.method == "mgr":
-            return self._mgr_chain.merges[position]
-        return None
+        return self.rule.merge_module(self, position)
+
+    @property
+    def chain_module(self) -> Optional[nn.Module]:
+        """The chain module (chain rules) this site belongs to, else None."""
+        return self._chain_module
 
     @property
     def mgr_chain(self) -> Optional[nn.Module]:
-        """The ``MGRChain`` this site belongs to (MGR only)."""
-        return self._mgr_chain
+        """Alias of :attr:`chain_module` (kept for MGR users)."""
+        return self._chain_module
 
     def extra_repr(self) -> str:
         pos = self.position if len(self.positions) == 1 else list(self.positions)
         return f"method={self.method!r}, chain={self.chain}, position={pos}, dim={self.dim}, at={self.location}"
 
+    def record(self) -> dict:
+        """The site as plain data: the rule, its options and where the site is."""
+        return {"method": self.method, "options": _plain(self.rule.options()), "path": self.path,
+                "location": self.location, "source_line": self.source_line, "positions": list(self.positions)}
+
+    def get_extra_state(self) -> torch.Tensor:
+        """What travels with ``state_dict``: :meth:`record` as UTF-8 JSON in a uint8 tensor (state dicts stay
+        tensor-only, loadable with ``weights_only=True``). An unpatched model has no such key, so a patched
+        checkpoint never loads silently into it (strict loading fails)."""
+        data = json.dumps(self.record(), sort_keys=True).encode()
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+    def set_extra_state(self, state: Any) -> None:
+        if isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1:
+            try:
+                state = json.loads(bytes(state.cpu().tolist()).decode())
+            except ValueError:
+                pass
+        if not isinstance(state, dict) or "method" not in state:
+            raise RuntimeError(f"state_dict entry for the merge site at {self.location} is not a lightning_resctl "
+                               f"site record: {state!r}")
+        mine = (self.method, _plain(self.rule.options()))
+        theirs = (state.get("method"), state.get("options"))
+        if mine != theirs:
+            raise RuntimeError(
+                f"checkpoint was saved with method={theirs[0]!r} options={theirs[1]} at the merge {state.get('path')!r} "
+                f"({state.get('location')}), but this model is patched with method={mine[0]!r} options={mine[1]}: "
+                "patch the model the same way before loading")
+
     # ------------------------------------------------------------------ runtime
     def forward(self, stream: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         """Merge ``update`` into ``stream``; the result has the stream's shape."""
-        if self.method == "mgr":
-            return self._forward_mgr(stream, update)
+        if self.rule.kind == "chain":
+            return self._forward_chain(stream, update)
         if self.observer is not None:
+            self.current_position = self.position
             self.observer(self, stream, update, None)
         if self.skip_update:
             return stream
-        if self.method == "add":
-            if self.inplace == "stream":
-                return stream.add_(update)
-            if self.inplace == "update":
-                return update.add_(stream)
-            return stream + update
-        return self.merge(stream, update)
+        return self.rule.merge(self.merge, stream, update, self.inplace)
 
-    def _forward_mgr(self, stream: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-        chain = self._mgr_chain
-        state = self._mgr_state
+    def _position_now(self, run: ChainRun) -> int:
+        n = run.calls.get(id(self), 0)
+        if n >= len(self.positions):
+            raise RuntimeError(
+                f"the merge at {self.location} ({self.path or 'root'}: {self.source_line!r}) ran {n + 1} times in one "
+                f"forward of residual chain {self.chain}, but {len(self.positions)} were observed when the model was "
+                "patched: a stream-carrying rule needs the same merges in every forward")
+        run.calls[id(self)] = n + 1
+        return self.positions[n]
+
+    def _forward_chain(self, stream: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        rule = self.rule
+        chain = self._chain_module
+        run = self._run
+        k = self._position_now(run)
+        if run.done or k <= run.last:
+            raise RuntimeError(
+                f"merge {k} of residual chain {self.chain} (site {self.location}: {self.source_line!r}) ran after "
+                f"merge {run.last}{' and the chain output' if run.done else ''} in the same forward: a stream-carrying "
+                "rule needs each merge once per forward, in order")
         d = self.dim
         moved = d != -1 and d != stream.dim() - 1
         s = stream.movedim(d, -1) if moved else stream
         u = update.movedim(d, -1) if moved else update
-        if u.dtype != s.dtype:  # e.g. under autocast: the plain addition would promote, the streams keep x's dtype
-            u = u.to(s.dtype)
-        k = 0 if self._starts_chain else state.k
-        if k == 0:
-            streams, _ = chain.start(s)
-        else:
-            streams = state.streams
+        if run.state is None:
+            run.state = rule.start(chain, s)
+            run.lead = s.shape[:-1]
+        self.current_position = k
         if self.observer is not None:
-            self.observer(self, stream, update, streams)
-        lead = streams.shape[:-2]
-        if u.shape[:-1] != lead:  # the model re-viewed the stream between merges (e.g. reshape(-1, C))
-            u = u.reshape(lead + u.shape[-1:])
+            self.observer(self, stream, update, rule.streams(chain, run.state))
+        if u.shape[:-1] != run.lead:  # the model re-viewed the stream between merges (e.g. reshape(-1, C))
+            u = u.reshape(run.lead + u.shape[-1:])
+        if u.dtype != s.dtype and not torch.is_autocast_enabled(s.device.type):
+            out_dtype = torch.result_type(s, u)
+        else:
+            out_dtype = s.dtype
+        if u.dtype != s.dtype:  # the chain's state keeps the dtype of its input; the result is promoted below
+            u = u.to(s.dtype)
+        next_k = run.next_after(k, self.training)
         if self.skip_update:
-            new_streams, h = chain.skip(k, streams)
-            h = h.to(stream.dtype)
+            state, h = rule.skip(chain, k, run.state, next_k)
         else:
-            new_streams, h = chain.step(k, streams, u)
-        if h.shape != s.shape:
+            state, h = rule.step(chain, k, run.state, u, next_k)
+        run.last = k
+        run.last_site = self.location
+        if next_k >= run.num_merges:
+            run.state = None  # nothing kept alive after the chain's output
+            run.done = True
+        else:
+            run.state = state
+        if h.shape[:-1] != s.shape[:-1]:
             h = h.reshape(s.shape)
-        if k + 1 >= self._chain_length:
-            state.streams = None
-            state.k = 0
-        else:
-            state.streams = new_streams
-            state.k = k + 1
+        if h.dtype != out_dtype:
+            h = h.to(out_dtype)
         return h.movedim(-1, d) if moved else h
 
+
+def _plain(value: Any) -> Any:
+    """Options as plain Python values (comparable, and loadable with ``weights_only=True``)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return repr(value)

@@ -1,0 +1,309 @@
+"""Merge rules: the one extension point for "what a residual merge computes".
+
+A *rule* is one class (plus its config dataclass, its modules and, if any, its kernels) registered
+under one or more names. Everything else — the surgery, the callbacks, the compare job — asks the
+rule; nothing else branches on rule names.
+
+Two kinds of rules:
+
+* **per-merge** (:class:`MergeRule`): each merge ``stream + update`` is replaced by
+  ``rule.merge(module, stream, update)`` on its own (``add``, ``rescontroller``);
+* **stream-carrying chain** (:class:`ChainRule`): the merges of one residual chain share state that
+  travels beside the model during one forward (``mgr``, ``attnres``, ``hc`` ...). The rule builds
+  one chain module per chain (registered once in the model) and runs it with
+  ``state = start(chain, x)`` then, per merge ``k``,
+  ``state, h = step(chain, k, state, u, next_k)``: ``h`` is what the model's code sees after the
+  merge — the input that the branch of merge ``next_k`` reads, or the chain's output when
+  ``next_k == num_merges``.
+
+Registering a rule defined outside the package::
+
+    from dataclasses import dataclass
+    from lightning_resctl import register_merge_rule
+    from lightning_resctl.rules import MergeRule
+
+    @dataclass
+    class HalfConfig:
+        scale: float = 0.5
+
+    class Half(MergeRule):
+        Config = HalfConfig
+        description = "stream + scale * update"
+
+        def merge(self, module, stream, update, inplace):
+            return stream + self.config.scale * update
+
+    register_merge_rule("half", Half)
+    patch_residuals(model, method="half", scale=0.25)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "MergeRule",
+    "ChainRule",
+    "NoOptions",
+    "RuleEntry",
+    "register_merge_rule",
+    "merge_rules",
+    "get_merge_rule",
+    "make_rule",
+    "check_positive",
+    "check_finite",
+    "check_int",
+    "check_choice",
+]
+
+
+@dataclass
+class NoOptions:
+    """Config of a rule without options."""
+
+
+class MergeRule:
+    """A per-merge rule. Subclasses set :attr:`Config` (a dataclass: the options, their defaults and
+    their help in one place) and implement :meth:`merge`; they may add :meth:`validate`,
+    :meth:`build_merge`, :meth:`refuse` and diagnostics (:meth:`make_stats`, :meth:`observe`).
+
+    An instance is one configured rule: ``rule.name`` (the registered name it was made from) and
+    ``rule.config`` (a validated ``Config``)."""
+
+    Config: ClassVar[type] = NoOptions
+    description: ClassVar[str] = ""
+    kind: ClassVar[str] = "merge"
+    #: False when the rule cannot run inside activation checkpointing (a recomputed block would replay its merges).
+    supports_checkpointing: ClassVar[bool] = True
+
+    def __init__(self, name: str, config: Any):
+        self.name = name
+        self.config = config
+        self.validate(config)
+
+    # ------------------------------------------------------------------ configuration
+    def validate(self, config: Any) -> None:
+        """Raise ValueError/TypeError naming the option and the value when ``config`` is invalid."""
+
+    def options(self) -> dict:
+        """The rule's options as a plain dict (what travels with checkpoints and reports)."""
+        return dataclasses.asdict(self.config)
+
+    def summary(self) -> str:
+        """A short description of the configured rule for one-line messages, e.g. ``"n=4"``."""
+        return ""
+
+    def refuse(self, model: nn.Module) -> Optional[str]:
+        """A reason why this rule cannot be applied to ``model`` (checked before patching), or None."""
+        if self.supports_checkpointing:
+            return None
+        for path, mod in model.named_modules():
+            if getattr(mod, "gradient_checkpointing", False) is True:
+                return (f"method={self.name!r} cannot be used with activation checkpointing (enabled on "
+                        f"{path or type(model).__name__!r}): its state travels beside the model between merges "
+                        "and a recomputed block would replay its merges. Disable gradient checkpointing or use a "
+                        "per-merge rule (e.g. method='rescontroller')")
+        return None
+
+    # ------------------------------------------------------------------ per-merge runtime
+    def build_merge(self, dim: int) -> Optional[nn.Module]:
+        """The module one merge site holds (its parameters), or None. ``dim``: feature dim of the stream."""
+        return None
+
+    def merge(self, module: Optional[nn.Module], stream: Tensor, update: Tensor, inplace: Optional[str]) -> Tensor:
+        """The merged stream. ``inplace``: None, ``"stream"`` (``stream += update``) or ``"update"``."""
+        raise NotImplementedError
+
+    def merge_module(self, site: Any, position: int) -> Optional[nn.Module]:
+        """The module that holds merge ``position``'s parameters (diagnostics and reports)."""
+        return getattr(site, "merge", None)
+
+    # ------------------------------------------------------------------ diagnostics
+    def make_stats(self, num_depths: int, model: nn.Module) -> Optional[Any]:
+        """A torchmetrics ``Metric`` with this rule's diagnostics families, or None.
+
+        Its ``compute()`` returns ``{family: (D,) or (D, n) tensor}``; a family named ``*_hist``
+        holds ``(D, n, bins)`` counts over ``stats.histogram_edges()``."""
+        return None
+
+    def observe(self, stats: Any, depth: int, site: Any, position: int, stream: Tensor, update: Tensor,
+                state: Any) -> None:
+        """Update ``stats`` with merge ``position`` of ``site`` (detached tensors, no grad)."""
+
+
+class ChainRule(MergeRule):
+    """A stream-carrying chain rule (see the module docstring for the runtime contract)."""
+
+    kind: ClassVar[str] = "chain"
+    supports_checkpointing: ClassVar[bool] = False
+    #: attribute name prefix of the chain modules registered in the model
+    chain_attr: ClassVar[str] = "_resctl_chain"
+
+    def build_chain(self, dim: int, num_merges: int) -> nn.Module:
+        raise NotImplementedError
+
+    def start(self, chain: nn.Module, x: Tensor) -> Any:
+        """State entering the chain's first merge; ``x``: the stream, features last."""
+        raise NotImplementedError
+
+    def step(self, chain: nn.Module, k: int, state: Any, u: Tensor, next_k: int) -> tuple[Any, Tensor]:
+        """Merge ``u`` as merge ``k``; return ``(state, h)``, ``h`` = what merge ``next_k``'s branch reads
+        (``next_k == num_merges``: the chain output). Merges strictly between ``k`` and ``next_k`` do not
+        run in this forward (e.g. ``if self.training:`` merges in eval): they leave the state as it is."""
+        raise NotImplementedError
+
+    def skip(self, chain: nn.Module, k: int, state: Any, next_k: int) -> tuple[Any, Tensor]:
+        """Ablation: merge ``k``'s update is dropped; same return as :meth:`step`."""
+        raise NotImplementedError
+
+    def streams(self, chain: nn.Module, state: Any) -> Optional[Tensor]:
+        """The streams ``(..., m, C)`` held in ``state`` (diagnostics), or None."""
+        return None
+
+    def num_merges(self, chain: nn.Module) -> int:
+        return int(chain.num_merges)
+
+    def merge_module(self, site: Any, position: int) -> Optional[nn.Module]:
+        chain = site.chain_module
+        merges = getattr(chain, "merges", None)
+        return merges[position] if merges is not None else chain
+
+    def make_shardable(self, chain: nn.Module) -> None:
+        """Make the chain's parameters acceptable to FSDP2's ``fully_shard`` (e.g. no 0-d parameters)."""
+        for m in chain.modules():
+            if m is not chain and hasattr(m, "make_shardable"):
+                m.make_shardable()
+
+
+# ---------------------------------------------------------------------------------------------- registry
+@dataclass(frozen=True)
+class RuleEntry:
+    """One registered name: the rule class and the options the name presets (e.g. ``gating``)."""
+
+    name: str
+    rule_class: type
+    preset: tuple  # ((option, value), ...)
+    description: str
+
+    @property
+    def kind(self) -> str:
+        return self.rule_class.kind
+
+    def option_names(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self.rule_class.Config)]
+
+    def defaults(self) -> dict:
+        """Every option with the value this name uses when the caller gives none."""
+        out = {}
+        for f in dataclasses.fields(self.rule_class.Config):
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                out[f.name] = f.default_factory()  # type: ignore[misc]
+        out.update(dict(self.preset))
+        return out
+
+
+_REGISTRY: dict[str, RuleEntry] = {}
+
+
+def register_merge_rule(name: str, rule_class: type, *, description: Optional[str] = None, replace: bool = False,
+                        **preset: Any) -> RuleEntry:
+    """Register ``rule_class`` (a :class:`MergeRule` subclass) under ``name``; ``preset`` fixes options
+    for this name (e.g. ``register_merge_rule("mgr-independent", MGRRule, gating="independent")``).
+
+    The name then works everywhere a method is accepted: :func:`patch_residuals`, the callbacks and
+    ``python -m lightning_resctl compare --methods``. Registering a taken name raises ValueError unless
+    ``replace=True``."""
+    if not isinstance(name, str) or not name or name.strip() != name or name == "plain":
+        raise ValueError(f"name must be a non-empty string without surrounding spaces (and not 'plain'), got {name!r}")
+    if not (isinstance(rule_class, type) and issubclass(rule_class, MergeRule)):
+        raise TypeError(f"rule_class must be a subclass of lightning_resctl.rules.MergeRule, got {rule_class!r}")
+    if not dataclasses.is_dataclass(rule_class.Config):
+        raise TypeError(f"{rule_class.__name__}.Config must be a dataclass, got {rule_class.Config!r}")
+    if name in _REGISTRY and not replace:
+        raise ValueError(f"a merge rule named {name!r} is registered already ({_REGISTRY[name].rule_class.__name__}); "
+                         "pass replace=True to replace it")
+    valid = {f.name for f in dataclasses.fields(rule_class.Config)}
+    bad = sorted(set(preset) - valid)
+    if bad:
+        raise ValueError(f"preset option(s) {bad} are not options of {rule_class.__name__} (valid: {sorted(valid)})")
+    entry = RuleEntry(name, rule_class, tuple(sorted(preset.items())),
+                      description if description is not None else rule_class.description)
+    _REGISTRY[name] = entry
+    return entry
+
+
+def merge_rules() -> tuple[str, ...]:
+    """The registered merge-rule names, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def get_merge_rule(name: str) -> RuleEntry:
+    """The :class:`RuleEntry` registered under ``name``; ValueError listing the names otherwise."""
+    if not isinstance(name, str):
+        raise TypeError(f"method must be a string naming a merge rule, got {type(name).__name__} {name!r}")
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        raise ValueError(f"method must be one of the registered merge rules {list(_REGISTRY)}, got {name!r}")
+    return entry
+
+
+def make_rule(method: str, options: Optional[dict] = None) -> MergeRule:
+    """A configured rule: the name's preset, overridden by ``options``; unknown options and invalid values
+    raise ValueError/TypeError naming them."""
+    entry = get_merge_rule(method)
+    options = dict(options or {})
+    valid = entry.option_names()
+    bad = sorted(set(options) - set(valid))
+    if bad:
+        if not valid:
+            raise ValueError(f"method={method!r} takes no options, got {bad}")
+        raise ValueError(f"unknown option(s) for method={method!r}: {bad} (valid: {valid})")
+    clash = sorted(k for k, v in entry.preset if k in options and options[k] != v)
+    if clash:
+        raise ValueError(f"method={method!r} fixes {', '.join(f'{k}={dict(entry.preset)[k]!r}' for k in clash)}; "
+                         f"got {', '.join(f'{k}={options[k]!r}' for k in clash)} (use the base rule's name to choose)")
+    kwargs = {**dict(entry.preset), **options}
+    config = entry.rule_class.Config(**kwargs)
+    return entry.rule_class(method, config)
+
+
+# ---------------------------------------------------------------------------------------------- option checks
+def check_finite(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def check_positive(name: str, value: Any) -> float:
+    value = check_finite(name, value)
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return value
+
+
+def check_int(name: str, value: Any, minimum: int = 1, allow_none: bool = False) -> Optional[int]:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{' or None' if allow_none else ''}, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: tuple) -> Any:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def cast_like_add(stream: Tensor, update: Tensor) -> torch.dtype:
+    """The dtype ``stream + update`` would have (type promotion; under autocast the stream's dtype)."""
+    if torch.is_autocast_enabled(stream.device.type):
+        return stream.dtype
+    return torch.result_type(stream, update)
