@@ -195,6 +195,8 @@ class MGRStats(_DepthMetric):
     pool=(..., n_k) or None)``; entries for streams not present yet (n_k < n) stay NaN.
     """
 
+    family_prefix = "mgr_"
+
     def __init__(self, num_depths: int, streams: int, hist_bins: int = 20, **kwargs) -> None:
         super().__init__(num_depths, **kwargs)
         if not isinstance(streams, int) or streams < 1:

@@ -10,12 +10,20 @@ import numpy as np
 import torch
 from torch import nn
 
-METHODS = ("rescontroller", "mgr", "add")
+def check_method(method: Any, options: Mapping[str, Any] | None = None) -> str | None:
+    """``method`` must be None or a registered merge rule, and ``options`` valid options of it: checked when a
+    callback is constructed, not inside ``fit``."""
+    if method is None:
+        if options:
+            raise ValueError(f"method options {sorted(options)} given without a method (method=None)")
+        return None
+    from lightning_resctl.rules import get_merge_rule, make_rule
 
-
-def check_method(method: Any) -> str | None:
-    if method is not None and method not in METHODS:
-        raise ValueError(f"method must be None or one of {METHODS}, got {method!r}")
+    try:
+        get_merge_rule(method)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"method must be None or a registered merge rule: {err}") from None
+    make_rule(method, dict(options or {}))
     return method
 
 
@@ -65,9 +73,12 @@ def ensure_patched(
                 )
         return False
     use = method or "add"
-    if use == "mgr" and _has_dtensor_params(module):
+    from lightning_resctl.rules import make_rule
+
+    rule = make_rule(use, dict(method_options or {}))
+    if rule.kind == "chain" and _has_dtensor_params(module):
         raise RuntimeError(
-            "the model's parameters are already sharded (DTensor) when the residual patch runs, so MGR's new "
+            f"the model's parameters are already sharded (DTensor) when the residual patch runs, so {use}'s new "
             "parameters would not be sharded. Call `lightning_resctl.callbacks.patch_in_configure_model(self)` "
             "in configure_model after building the layers and before fully_shard."
         )
@@ -219,8 +230,19 @@ def depth_entries(sites: list) -> list[tuple[Any, int]]:
     return entries
 
 
+def rules_of(sites: list) -> list:
+    """The distinct configured rules of ``sites`` (one per patch)."""
+    out: list = []
+    for s in sites:
+        rule = getattr(s, "rule", None)
+        if rule is not None and all(rule is not r for r in out):
+            out.append(rule)
+    return out
+
+
 class PositionCounter:
-    """Which of a site's positions a call is: the i-th call of a site (since :meth:`reset`) is
+    """Which of a site's positions a call is. Chain sites know it (``site.current_position``); for a
+    per-merge site run several times per forward (a ``for`` loop) the i-th call since :meth:`reset` is
     ``positions[i % len(positions)]`` — every forward runs each position once, in order."""
 
     def __init__(self) -> None:
@@ -233,6 +255,9 @@ class PositionCounter:
         positions = getattr(site, "positions", None) or (getattr(site, "position", 0),)
         if len(positions) == 1:
             return int(positions[0])
+        rule = getattr(site, "rule", None)
+        if getattr(rule, "kind", None) == "chain":
+            return int(site.current_position)
         i = self._calls.get(id(site), 0)
         self._calls[id(site)] = i + 1
         return int(positions[i % len(positions)])

@@ -55,7 +55,7 @@ class ResidualAblationCallback(Callback):
         self.every_n_epochs = every_n_epochs
         self.max_batches = max_batches
         self.loss_fn = loss_fn
-        self.method = C.check_method(method)
+        self.method = C.check_method(method, method_options)
         self.depth_images = bool(depth_images)
         self.prefix = prefix
         self._patch_kwargs = dict(example_input=example_input, method_options=method_options)

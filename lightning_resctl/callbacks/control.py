@@ -10,7 +10,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from ..metrics import ControllerStats, GradStats, MGRStats, StreamStats
+from ..metrics import GradStats, StreamStats
 from . import _common as C
 
 __all__ = ["ResidualControlCallback"]
@@ -70,9 +70,7 @@ class ResidualControlCallback(Callback):
         **method_options: Any,
     ) -> None:
         super().__init__()
-        self.method = C.check_method(method)
-        if method is None and method_options:
-            raise ValueError(f"method options {sorted(method_options)} given without a method (method=None)")
+        self.method = C.check_method(method, method_options)
         if log_every_n_steps is not None and (
             not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1
         ):
@@ -100,10 +98,9 @@ class ResidualControlCallback(Callback):
         self._depth_of: dict[tuple[int, int], int] = {}
         self._entries: list[tuple[Any, int]] = []
         self._position = C.PositionCounter()
-        self._chain_of: dict[int, Any] = {}
         self._stream: StreamStats | None = None
-        self._ctrl: ControllerStats | None = None
-        self._mgr: MGRStats | None = None
+        self._rule_stats: list[tuple[Any, Any]] = []   # (rule, its Metric)
+        self._stats_of: dict[int, Any] = {}              # id(rule) -> its Metric
         self._grad: GradStats | None = None
         self._branch_params: list[list[nn.Parameter]] | None = None
         self._trace_hooks: list = []
@@ -160,7 +157,6 @@ class ResidualControlCallback(Callback):
 
     # ------------------------------------------------------------------ sites and metrics
     def _build(self, pl_module: nn.Module) -> None:
-        from lightning_resctl.mgr import MGRChain
         from lightning_resctl.surgery import merge_sites
 
         self._reset_runtime()
@@ -177,25 +173,17 @@ class ResidualControlCallback(Callback):
             starts.append(first_of_chain.setdefault(getattr(s, "chain", 0), d))
         device = _module_device(pl_module)
         self._stream = StreamStats(D, starts).to(device)
-        methods = {getattr(s, "method", None) for s in sites}
-        if "rescontroller" in methods:
-            self._ctrl = ControllerStats(D).to(device)
-        if "mgr" in methods:
-            chains = [m for m in pl_module.modules() if isinstance(m, MGRChain)]
-            for s in sites:
-                ch = getattr(s, "mgr_chain", None)
-                if ch is not None and all(ch is not c for c in chains):
-                    chains.append(ch)
-            for ch in chains:
-                for merge in ch.merges:
-                    self._chain_of[id(merge)] = ch
-            n = max((ch.streams for ch in chains), default=1)
-            self._mgr = MGRStats(D, n).to(device)
+        for rule in C.rules_of(sites):
+            stats = rule.make_stats(D, pl_module)
+            if stats is not None:
+                stats = stats.to(device)
+                self._rule_stats.append((rule, stats))
+                self._stats_of[id(rule)] = stats
         if self.grad_stats:
             self._grad = GradStats(D).to(device)
 
     def _metrics(self) -> list:
-        return [m for m in (self._stream, self._ctrl, self._mgr, self._grad) if m is not None]
+        return [m for m in (self._stream, *(st for _, st in self._rule_stats), self._grad) if m is not None]
 
     def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
         self._build(pl_module)
@@ -225,22 +213,10 @@ class ResidualControlCallback(Callback):
             s = stream.detach()
             u = update.detach()
             self._stream.update(d, s, u)
-            method = getattr(site, "method", None)
-            module = site.merge_module(pos) if hasattr(site, "merge_module") else getattr(site, "module", None)
-            if self._ctrl is not None and method == "rescontroller" and module is not None:
-                from lightning_resctl.rescontroller import rescontroller_scales
-
-                self._ctrl.update(d, rescontroller_scales(s, u, **module.options()))
-            if self._mgr is not None and method == "mgr" and streams is not None and module is not None:
-                st = streams.detach()
-                chain = getattr(site, "mgr_chain", None) or self._chain_of.get(id(module))
-                beta = forget = pool = None
-                if chain is not None:
-                    k = int(module.index)
-                    if not getattr(module, "accumulating", False):
-                        beta, forget = chain.gate_values(k, st)
-                    pool = chain.pool_weights(k, st)
-                self._mgr.update(d, streams=st, beta=beta, forget=forget, pool=pool)
+            rule = getattr(site, "rule", None)
+            stats = self._stats_of.get(id(rule))
+            if stats is not None:
+                rule.observe(stats, d, site, pos, s, u, None if streams is None else streams.detach())
         if self._grad is not None and stream.requires_grad and torch.is_grad_enabled():
             stream.register_hook(functools.partial(self._grad_hook, d))
 
@@ -266,8 +242,10 @@ class ResidualControlCallback(Callback):
         for m in pl_module.modules():
             if isinstance(m, MergeSite):
                 excluded.update(id(x) for x in m.modules())
-        for ch in self._chain_of.values():
-            excluded.update(id(x) for x in ch.modules())
+        for s in self._sites:
+            ch = getattr(s, "chain_module", None)
+            if ch is not None:
+                excluded.update(id(x) for x in ch.modules())
         owners: dict[int, nn.Module] = {}
         for s in self._sites:
             owner = _resolve_owner(pl_module, s)
@@ -359,21 +337,20 @@ class ResidualControlCallback(Callback):
     # ------------------------------------------------------------------ output
     def _flush(self, trainer: Any, step: int) -> None:
         values: dict[str, torch.Tensor] = {}
-        hist = None
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*before the ``update`` method.*")
             D = len(self._entries)
+            hists: list = []
             for metric in self._metrics():
                 out = dict(metric.compute())  # reduced over ranks
-                if metric is self._mgr:
-                    gate_hist = out.pop("gate_hist").reshape(D, metric.streams, metric.hist_bins)
-                    hist = gate_hist if self.histograms else None
-                # torchmetrics squeezes one-element results: restore (D,) / (D, n)
-                per_stream = ("gate_mean", "gate_std", "stream_rms") if metric is self._mgr else ()
-                out = {k: v.reshape(D, -1) if k in per_stream else v.reshape(D) for k, v in out.items()}
-                if metric is self._mgr:
-                    out = {f"mgr_{k}": v for k, v in out.items()}
-                values.update(out)
+                fam_prefix = getattr(metric, "family_prefix", "")
+                for k, v in out.items():
+                    # torchmetrics squeezes one-element results: restore (D,) / (D, n) / (D, n, bins)
+                    if k.endswith("_hist"):
+                        if self.histograms:
+                            hists.append((fam_prefix + k, v.reshape(D, -1, metric.hist_bins), metric.histogram_edges()))
+                    else:
+                        values[fam_prefix + k] = v.reshape(D) if v.numel() == D else v.reshape(D, -1)
                 metric.reset()
         D = len(self._entries)
         tags = C.scalar_tags(self.prefix, values, D)
@@ -393,13 +370,10 @@ class ResidualControlCallback(Callback):
             C.add_custom_scalars(trainer, self.prefix, C.families_of(tags, self.prefix))
             self._layout_written = True
         C.log_scalars(trainer, tags, step)
-        if hist is not None and self._mgr is not None:
-            edges = self._mgr.histogram_edges()
+        for fam, hist, edges in hists:
             for d in range(hist.shape[0]):
                 for i in range(hist.shape[1]):
-                    C.add_histogram_raw(
-                        trainer, f"{self.prefix}/mgr_gate_hist_s{i}/{C.depth_tag(d, D)}", hist[d, i], edges, step
-                    )
+                    C.add_histogram_raw(trainer, f"{self.prefix}/{fam}_s{i}/{C.depth_tag(d, D)}", hist[d, i], edges, step)
 
     def on_validation_end(self, trainer: Any, pl_module: nn.Module) -> None:
         if not self.depth_images or trainer.sanity_checking or not trainer.is_global_zero or not self.depth_profile:

@@ -38,8 +38,8 @@ def patch_in_configure_model(pl_module: nn.Module, model: nn.Module | None = Non
     observes (``method=None`` — observing needs no new parameters and is set up after ``configure_model``).
     Returns the :class:`PatchReport` (or ``None`` when nothing was patched by this call).
 
-    FSDP2 refuses 0-d parameters, so competitive MGR's ``forget_bias`` is stored as a (1,) parameter
-    here (same name and value; :meth:`MGRMerge.make_shardable`).
+    FSDP2 refuses 0-d parameters, so each chain rule's ``make_shardable`` runs here (e.g. competitive MGR's
+    ``forget_bias`` is stored as a (1,) parameter, same name and value).
     """
     from lightning_resctl.surgery import get_patch_report
 
@@ -49,7 +49,7 @@ def patch_in_configure_model(pl_module: nn.Module, model: nn.Module | None = Non
     if C._surgery().merge_sites(pl_module):
         return None
     if method is not None:
-        C.check_method(method)
+        C.check_method(method, {k: v for k, v in options.items() if k != "example_input"})
         example_input = options.pop("example_input", None)
         C.ensure_patched(target, method, example_input=example_input, method_options=options, example_from=pl_module)
         return _shardable(get_patch_report(target), target)
@@ -63,9 +63,8 @@ def patch_in_configure_model(pl_module: nn.Module, model: nn.Module | None = Non
 
 
 def _shardable(report, target: nn.Module):
-    from lightning_resctl.mgr import MGRMerge
-
-    for module in target.modules():
-        if isinstance(module, MGRMerge):
-            module.make_shardable()
+    """Let each chain rule make its chain modules acceptable to ``fully_shard``."""
+    for site in C._surgery().merge_sites(target):
+        if site.chain_module is not None:
+            site.rule.make_shardable(site.chain_module)
     return report
