@@ -154,7 +154,9 @@ class ChainRule(MergeRule):
     def step(self, chain: nn.Module, k: int, state: Any, u: Tensor, next_k: int) -> tuple[Any, Tensor]:
         """Merge ``u`` as merge ``k``; return ``(state, h)``, ``h`` = what merge ``next_k``'s branch reads
         (``next_k == num_merges``: the chain output). Merges strictly between ``k`` and ``next_k`` do not
-        run in this forward (e.g. ``if self.training:`` merges in eval): they leave the state as it is."""
+        run in this forward (e.g. ``if self.training:`` merges in eval): they leave the state as it is (a rule
+        whose state has a fixed structure per merge treats them as a zero update, e.g. MGR's accumulating
+        merges append a zero stream); their parameters are not used."""
         raise NotImplementedError
 
     def skip(self, chain: nn.Module, k: int, state: Any, next_k: int) -> tuple[Any, Tensor]:

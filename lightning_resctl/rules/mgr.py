@@ -69,15 +69,22 @@ class MGRRule(ChainRule):
 
     def step(self, chain, k, state, u, next_k):
         streams, h = chain.step(k, state, u)
-        if next_k != k + 1:  # merges k+1..next_k-1 do not run in this forward: pool for the one that does
-            h = self._read(chain, next_k, streams)
+        if next_k != k + 1:
+            streams, h = self._pass(chain, k, streams, next_k)
         return streams, h
 
     def skip(self, chain, k, state, next_k):
         streams, h = chain.skip(k, state)
         if next_k != k + 1:
-            h = self._read(chain, next_k, streams)
+            streams, h = self._pass(chain, k, streams, next_k)
         return streams, h
+
+    def _pass(self, chain, k, streams, next_k):
+        """Merges k+1..next_k-1 do not run in this forward: each leaves the streams as they are (an
+        accumulating one appends a zero stream, keeping the stream count); then the pool of next_k."""
+        for j in range(k + 1, next_k):
+            streams, _ = chain.skip(j, streams)
+        return streams, self._read(chain, next_k, streams)
 
     @staticmethod
     def _read(chain, j, streams):

@@ -71,7 +71,9 @@ class AddEvent:
     stream_operand: Optional[int] = None  # 0 or 1 once classified as a merge
     reason: Optional[str] = None          # why it is not a merge
     branch_ops: frozenset = field(default_factory=frozenset)
+    branch_modules: frozenset = field(default_factory=frozenset)  # paths of the modules that ran in the branch
     feature_dim: int = -1                 # 1 when the branch starts with a convolution (channels-first)
+    checkpointed: bool = False            # ran inside torch.utils.checkpoint (activation recomputation)
 
     @property
     def is_merge(self) -> bool:
@@ -216,13 +218,25 @@ class _Recorder(TorchFunctionMode):
                 if isinstance(candidate, nn.Module):
                     owner = candidate
                     method_name = _method_name_for(type(candidate), code, self.method_cache)
+        checkpointed = _inside_checkpoint(frame)
         del frame
         self.events.append(AddEvent(
             index=len(self.events), result=self.node_of[id(out_tensors[0])], operands=operand_nodes,
             shapes=(meta[0], meta[1]), floating=meta[2], ndim=meta[3],
             inplace=func in _IADD_FUNCS, code=code, position=position, filename=filename, lineno=lineno,
             owner=owner, method_name=method_name, function_name=code.co_name if code else "?",
-            not_candidate=not_candidate))
+            not_candidate=not_candidate, checkpointed=checkpointed))
+
+
+def _inside_checkpoint(frame: Optional[FrameType]) -> bool:
+    """True when the addition runs inside ``torch.utils.checkpoint`` (any variant): a recomputing wrapper
+    on the call stack, or saved-tensor hooks installed by it."""
+    f = frame
+    while f is not None:
+        if f.f_code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py"):
+            return True
+        f = f.f_back
+    return False
 
 
 def run_example(model: nn.Module, example_input: Any):
@@ -339,6 +353,7 @@ def _classify(ev: AddEvent, nodes: list, merge_of: Optional[dict] = None) -> Non
             return
         ev.stream_operand = idx
         ev.branch_ops = frozenset(nodes[n].op for n in between)
+        ev.branch_modules = frozenset(nodes[n].module for n in between)
         first = nodes[min(n for n in between if nodes[n].learned)]
         ev.feature_dim = 1 if ev.ndim >= 3 and "conv" in first.op else -1
         return
@@ -351,6 +366,7 @@ def _classify(ev: AddEvent, nodes: list, merge_of: Optional[dict] = None) -> Non
             if between is not None and any(nodes[n].learned for n in between):
                 ev.stream_operand = idx
                 ev.branch_ops = frozenset(nodes[n].op for n in between)
+                ev.branch_modules = frozenset(nodes[n].module for n in between)
                 ev.feature_dim = prev.feature_dim
                 return
             prev = merge_of.get(prev.operands[prev.stream_operand])

@@ -91,6 +91,15 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
             model.eval()
             other = observe(model, example_input)
     plan = _plan(model, obs, rule, include, exclude)
+    if not rule.supports_checkpointing:
+        for ev in plan.merges:
+            if ev.checkpointed:
+                raise ValueError(
+                    f"method={rule.name!r} cannot patch merges that run inside torch.utils.checkpoint (the merge at "
+                    f"{ev.location}, {_source_line(ev)!r}, in {plan.paths.get(id(ev.owner), '?')!r}): its state "
+                    "travels beside the model between merges and the recomputation in backward would replay them. "
+                    "Checkpoint outside the residual chain, disable activation checkpointing, or use a per-merge "
+                    "rule (e.g. method='rescontroller', which supports it)")
     searched = (f"searched {obs.num_modules} modules of {type(model).__name__}: one forward on the example input "
                 f"ran {obs.num_ops} torch ops, {len(obs.events)} additions of two tensors")
     report = PatchReport(method=method, options=rule.options(), skipped=plan.skipped, searched=searched)
@@ -494,22 +503,31 @@ def _chain_scope(model: nn.Module, obs: Observation, paths: list) -> nn.Module:
 
 
 def _expected_positions(plan: _Plan, sites: dict, other: Optional[Observation], chain_of: dict) -> dict:
-    """Per chain: the positions observed in eval mode (by matching each eval-mode addition to its site and
-    taking that site's positions in order). Training mode runs every position by construction."""
+    """Per chain: the positions observed to run in eval mode. Each eval-mode merge is matched to the
+    training-mode merge of the same expression whose branch ran the same modules (a loop over blocks
+    skipping one of them), else to the next one in order (a weight-tied loop)."""
     if other is None:
         return {}
     out: dict = {}
-    calls: dict = {}
+    used: dict = {}
     for ev in other.events:
-        if ev.owner is None or ev.position is None:
+        if ev.owner is None or ev.position is None or not ev.is_merge:
             continue
-        site = sites.get((id(ev.owner), ev.method_name, ev.position))
+        key = (id(ev.owner), ev.method_name, ev.position)
+        site = sites.get(key)
         if site is None:
             continue
-        n = calls.get(id(site), 0)
-        calls[id(site)] = n + 1
-        if n < len(site.positions):
-            out.setdefault(chain_of[id(site)], []).append(site.positions[n])
+        taken = used.setdefault(key, set())
+        group = plan.groups[key]
+        pick = next((i for i, g in enumerate(group) if i not in taken and g.branch_modules == ev.branch_modules),
+                    None)
+        if pick is None:
+            pick = next((i for i in range(len(group)) if i not in taken), None)
+        if pick is None:
+            continue
+        taken.add(pick)
+        out.setdefault(chain_of[id(site)], []).append(site.positions[pick])
+        site.mode_positions.setdefault("eval", []).append(site.positions[pick])
     return out
 
 
@@ -582,6 +600,14 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
             state.hooks.append(owners[ci].register_forward_hook(ChainEnd(run), always_call=True))
         for site in sites.values():
             site.__dict__["_run"] = runs[site.chain]
+            site.mode_positions = {"train": site.positions, "eval": tuple(site.mode_positions.get("eval", ()))}
+
+    # new modules follow the mode of the module they are added to
+    for site in sites.values():
+        site.train(plan.groups and site_owner_training(plan, site))
+    for ci, mod in enumerate(chain_modules):
+        if mod is not None:
+            mod.train(owners[ci].training)
 
     # bind: register sites, swap classes
     for oid, (owner, spec, attrs) in plan.methods.items():
@@ -602,6 +628,13 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
             chain=chain_index[ev.index], position=position_of[ev.index], method=rule.name, dim=site.dim,
             stream_operand="left" if ev.stream_operand == 0 else "right", site=site))
     return state
+
+
+def site_owner_training(plan: _Plan, site: MergeSite) -> bool:
+    for owner, _, attrs in plan.methods.values():
+        if plan.paths.get(id(owner)) == site.path:
+            return owner.training
+    return True
 
 
 _PENDING = ChainRun(-1, 0, {})  # placeholder until the chain's run is built

@@ -136,6 +136,7 @@ class MergeSite(nn.Module):
         self.chain = chain
         self.positions = tuple(positions)
         self.position = self.positions[0]
+        self.mode_positions: dict = {}  # chain rules: {"train": positions, "eval": the positions run in eval}
         self.current_position = self.position
         self.dim = dim
         self.inplace = inplace
@@ -216,18 +217,25 @@ class MergeSite(nn.Module):
 
     def _position_now(self, run: ChainRun) -> int:
         n = run.calls.get(id(self), 0)
-        if n >= len(self.positions):
+        positions = self.mode_positions.get("train" if self.training else "eval") or self.positions
+        if n >= len(positions):
             raise RuntimeError(
                 f"the merge at {self.location} ({self.path or 'root'}: {self.source_line!r}) ran {n + 1} times in one "
-                f"forward of residual chain {self.chain}, but {len(self.positions)} were observed when the model was "
-                "patched: a stream-carrying rule needs the same merges in every forward")
+                f"forward of residual chain {self.chain}, but {len(positions)} were observed in "
+                f"{'training' if self.training else 'eval'} mode when the model was patched: a stream-carrying rule "
+                "needs the same merges in every forward of one mode")
         run.calls[id(self)] = n + 1
-        return self.positions[n]
+        return positions[n]
 
     def _forward_chain(self, stream: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         rule = self.rule
         chain = self._chain_module
         run = self._run
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(
+                f"the merge at {self.location} ({self.source_line!r}) ran during a backward pass (activation "
+                f"checkpointing recomputing its block): method={self.method!r} carries state beside the model and "
+                "cannot be recomputed; checkpoint outside the residual chain or use a per-merge rule")
         k = self._position_now(run)
         if run.done or k <= run.last:
             raise RuntimeError(

@@ -1,0 +1,363 @@
+"""Reliability: no silent wrong result from the surgery and the chain rules in real training loops.
+
+Every registered merge rule is run through these checks automatically (``merge_rules()``), so a new rule
+gets them for free. Chain rules must either give the right answer or raise a clear error at that forward.
+"""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_resctl import merge_rules, patch_residuals, unpatch_residuals
+from lightning_resctl.rules import get_merge_rule
+from lightning_resctl.surgery import get_patch_report, merge_sites
+
+ALL = list(merge_rules())
+CHAIN = [m for m in ALL if get_merge_rule(m).kind == "chain"]
+C = 16
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(C)
+        self.fc = nn.Linear(C, C)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.ln(x)))
+
+
+class LoopNet(nn.Module):
+    """``for _ in range(steps): x = x + f(x)`` with a data-dependent number of steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(C, C)
+        self.f = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(C, 3)
+        self.fail_at = None
+
+    def forward(self, x, steps: int = 4):
+        x = self.emb(x)
+        for i in range(steps):
+            if self.fail_at == i:
+                raise ValueError("boom")
+            x = x + self.f[i % 4](x)
+        return self.head(x)
+
+
+class TrainOnlyNet(nn.Module):
+    """A merge that runs only in training (``where`` = index of the training-only merge)."""
+
+    def __init__(self, where: int = 3):
+        super().__init__()
+        self.emb = nn.Linear(C, C)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.where = where
+        self.head = nn.Linear(C, 3)
+
+    def forward(self, x):
+        x = self.emb(x)
+        for i, b in enumerate(self.blocks):
+            if i == self.where and not self.training:
+                continue
+            x = x + b(x)
+        return self.head(x)
+
+
+def _x(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 5, C, generator=g)
+
+
+def _run(model, x):
+    out = model(x)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- 10.1: state leaks
+@pytest.mark.parametrize("method", ALL)
+def test_fewer_merges_than_observed_never_continues_a_previous_forward(method):
+    torch.manual_seed(0)
+    model = LoopNet()
+    patch_residuals(model, method=method, example_input=(_x(),))
+    x = _x(1)
+    fresh = copy.deepcopy(model)
+    ref = fresh(x)
+    if get_merge_rule(method).kind == "chain":
+        with pytest.raises(RuntimeError, match="stopped after merge 1"):
+            model(x, 2)
+    else:
+        model(x, 2)
+    # the next forward starts from scratch: same output as a never-used copy, and it trains
+    out = model(x)
+    assert torch.equal(out, ref)
+    out.sum().backward()
+    out2 = model(x)
+    out2.sum().backward()
+    assert torch.equal(out2, ref)
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_exception_mid_forward_leaves_no_state(method):
+    torch.manual_seed(0)
+    model = LoopNet()
+    patch_residuals(model, method=method, example_input=(_x(),))
+    x = _x(2)
+    ref = copy.deepcopy(model)(x)
+    model.fail_at = 2
+    with pytest.raises(ValueError, match="boom"):
+        model(x)
+    model.fail_at = None
+    out = model(x)
+    assert torch.equal(out, ref)
+    out.sum().backward()  # no "backward through the graph a second time"
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_more_merges_than_observed(method):
+    torch.manual_seed(0)
+    model = LoopNet()
+    patch_residuals(model, method=method, example_input=(_x(),))
+    x = _x(1)
+    ref = copy.deepcopy(model)(x)
+    if get_merge_rule(method).kind == "chain":
+        with pytest.raises(RuntimeError, match="ran 5 times in one forward"):
+            model(x, 5)
+    else:
+        assert torch.isfinite(model(x, 5)).all()
+    assert torch.equal(model(x), ref)
+
+
+# ---------------------------------------------------------------------------------------------- 10.2: mode-dependent merges
+@pytest.mark.parametrize("where", [1, 3])
+@pytest.mark.parametrize("method", CHAIN)
+def test_training_only_merge_eval_is_deterministic_and_completes(method, where):
+    torch.manual_seed(0)
+    model = TrainOnlyNet(where)
+    patch_residuals(model, method=method, example_input=(_x(),))
+    model.eval()
+    x = _x(3)
+    a = model(x)
+    b = model(x)
+    assert torch.equal(a, b) and torch.isfinite(a).all()
+    model.train()
+    model(x).sum().backward()
+    model.eval()
+    assert torch.equal(model(x), a)
+
+
+@pytest.mark.parametrize("where", [1, 3])
+@pytest.mark.parametrize("method", [m for m in CHAIN if m.startswith("mgr")])
+def test_mgr_skipped_merge_leaves_streams_and_output_pool_applies(method, where):
+    torch.manual_seed(0)
+    model = TrainOnlyNet(where)
+    patch_residuals(model, method=method, example_input=(_x(),), streams=2)
+    chain = merge_sites(model)[0].chain_module
+    with torch.no_grad():  # move every parameter away from its (symmetric) init
+        for p in chain.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    model.eval()
+    x = _x(4)
+    ref = model(x)
+    with torch.no_grad():  # the merge that does not run in eval: none of its parameters may matter
+        for p in chain.merges[where].parameters():
+            p.add_(1.0)
+    assert torch.equal(model(x), ref)
+    with torch.no_grad():  # the output pool is applied however the forward ends
+        chain.output_pool.pool_query.add_(1.0)
+    assert not torch.allclose(model(x), ref)
+
+
+# ---------------------------------------------------------------------------------------------- 10.4: observation is pure
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Conv2d(3, 8, 1)
+        self.b1 = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8))
+        self.b2 = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8))
+        self.calls = 0
+        self.cache = {}
+        self.example_input_array = torch.randn(2, 3, 5, 5)
+
+    def forward(self, x):
+        self.calls += 1
+        self.cache["last"] = x.shape
+        x = self.inp(x)
+        x = x + self.b1(x)
+        x = x + self.b2(x)
+        return x.mean((2, 3))
+
+
+@pytest.mark.parametrize("method", ALL)
+@pytest.mark.parametrize("training", [True, False])
+def test_patching_leaves_buffers_attributes_rng_and_mode(method, training):
+    torch.manual_seed(0)
+    model = BNNet().train(training)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    rng = torch.random.get_rng_state()
+    patch_residuals(model, method=method)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert model.training is training and all(m.training is training for m in model.modules()
+                                               if not hasattr(m, "positions"))
+    assert model.calls == 0 and model.cache == {}
+    for k, v in buffers.items():
+        assert torch.equal(model.get_buffer(k), v), k
+
+
+def test_add_patch_keeps_eval_outputs_bitwise():
+    torch.manual_seed(0)
+    model = BNNet()
+    x = torch.randn(2, 3, 5, 5)
+    ref = copy.deepcopy(model).eval()(x)
+    patch_residuals(model, method="add")
+    assert torch.equal(model.eval()(x), ref)
+
+
+# ---------------------------------------------------------------------------------------------- 10.3: checkpoints
+@pytest.mark.parametrize("method", ALL)
+def test_patched_checkpoint_never_loads_silently_into_unpatched_model(method):
+    torch.manual_seed(0)
+    model = LoopNet()
+    patch_residuals(model, method=method, example_input=(_x(),))
+    sd = model.state_dict()
+    plain = LoopNet()
+    with pytest.raises(RuntimeError, match="_resctl_site"):
+        plain.load_state_dict(sd)
+    twin = LoopNet()
+    patch_residuals(twin, method=method, example_input=(_x(),))
+    twin.load_state_dict(sd)
+    assert torch.equal(twin(_x(5)), model(_x(5)))
+    # a checkpoint loads with weights_only=True (tensor-only state dict)
+    import io
+
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    assert set(torch.load(buf, weights_only=True)) == set(sd)
+
+
+def test_checkpoint_of_other_options_is_refused_with_the_reason():
+    torch.manual_seed(0)
+    a = LoopNet()
+    patch_residuals(a, method="rescontroller", example_input=(_x(),), update_ratio=0.3)
+    b = LoopNet()
+    patch_residuals(b, method="rescontroller", example_input=(_x(),))
+    with pytest.raises(RuntimeError, match="update_ratio"):
+        b.load_state_dict(a.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------- 10.5: reset_parameters
+@pytest.mark.parametrize("method", CHAIN)
+def test_reset_parameters_gives_exactly_the_init(method):
+    torch.manual_seed(0)
+    model = LoopNet()
+    patch_residuals(model, method=method, example_input=(_x(),))
+    new = get_patch_report(model).new_parameters
+    assert new
+    init = {k: model.get_parameter(k).detach().clone() for k in new}
+    with torch.no_grad():
+        for k in new:
+            model.get_parameter(k).uniform_(-1e6, 1e6)
+    for site in merge_sites(model):
+        for m in site.chain_module.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    for k in new:
+        assert torch.equal(model.get_parameter(k), init[k]), k
+
+
+# ---------------------------------------------------------------------------------------------- 10.7: checkpointing
+class CkptNet(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.emb = nn.Linear(C, C)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.emb(x)
+        for b in self.blocks:
+            x = checkpoint(self.merge, b, x, use_reentrant=self.reentrant)
+        return x
+
+    def merge(self, b, t):
+        return t + b(t)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("method", CHAIN)
+def test_chain_rules_refuse_torch_utils_checkpoint_at_patch_time(method, reentrant):
+    model = CkptNet(reentrant)
+    with pytest.raises(ValueError, match="torch.utils.checkpoint"):
+        patch_residuals(model, method=method, example_input=(_x(),))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_per_merge_rules_train_under_checkpointing_with_equal_gradients(reentrant):
+    torch.manual_seed(0)
+    model = CkptNet(reentrant)
+    plain = PlainNet(reentrant)
+    plain.load_state_dict(model.state_dict())
+    patch_residuals(model, method="rescontroller", example_input=(_x(),))
+    twin = copy.deepcopy(plain)
+    patch_residuals(twin, method="rescontroller", example_input=(_x(),))
+    x = _x(6).requires_grad_(reentrant)
+    model(x).square().sum().backward()
+    twin(x).square().sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+class PlainNet(CkptNet):
+    def forward(self, x):
+        x = self.emb(x)
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+# ---------------------------------------------------------------------------------------------- habits
+@pytest.mark.parametrize("method", ALL)
+def test_no_grad_inference_mode_and_deepcopy_agree(method):
+    torch.manual_seed(0)
+    model = LoopNet()
+    patch_residuals(model, method=method, example_input=(_x(),))
+    x = _x(7)
+    ref = model(x).detach()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref, rtol=1e-6, atol=1e-6)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), ref, rtol=1e-6, atol=1e-6)
+    clone = copy.deepcopy(model)
+    assert torch.equal(clone(x), model(x))
+    clone2 = pickle.loads(pickle.dumps(model))
+    assert torch.equal(clone2(x), model(x))
+    unpatch_residuals(clone)
+    assert type(clone.f[0]) is Block
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_gradient_accumulation_equals_one_big_batch(method):
+    torch.manual_seed(0)
+    model = LoopNet()
+    patch_residuals(model, method=method, example_input=(_x(),))
+    twin = copy.deepcopy(model)
+    x = torch.cat([_x(8), _x(9)])
+    model(x).square().mean().backward()
+    for part in x.chunk(2):
+        (twin(part).square().mean() / 2).backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_unpatch_of_a_non_module_is_a_type_error():
+    with pytest.raises(TypeError, match="model"):
+        unpatch_residuals("x")

@@ -1,0 +1,174 @@
+"""The merge-rule registry: one name space, options checked once, rules defined outside the package."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+import lightning_resctl
+from lightning_resctl import (
+    ResidualAblationCallback,
+    ResidualControlCallback,
+    merge_rules,
+    patch_residuals,
+    register_merge_rule,
+    unpatch_residuals,
+)
+from lightning_resctl.rules import ChainRule, MergeRule, get_merge_rule, make_rule
+from lightning_resctl.rules.base import _REGISTRY
+from lightning_resctl.surgery import merge_sites
+from models import NanoGPT
+
+
+@dataclass
+class HalfConfig:
+    scale: float = 0.5
+
+
+class Half(MergeRule):
+    """A toy per-merge rule defined outside the package: ``stream + scale * update``."""
+
+    Config = HalfConfig
+    description = "stream + scale * update"
+
+    def validate(self, config):
+        if not config.scale > 0:
+            raise ValueError(f"scale must be > 0, got {config.scale!r}")
+
+    def merge(self, module, stream, update, inplace):
+        return stream + self.config.scale * update
+
+
+@pytest.fixture
+def half():
+    register_merge_rule("toy-half", Half)
+    yield "toy-half"
+    _REGISTRY.pop("toy-half", None)
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return NanoGPT(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16)
+
+
+def test_builtin_names_and_variants():
+    names = merge_rules()
+    for name in ("add", "rescontroller", "mgr", "mgr-competitive", "mgr-independent"):
+        assert name in names
+    assert lightning_resctl.merge_rules() == names
+    assert make_rule("mgr-independent").config.gating == "independent"
+    assert make_rule("mgr-competitive").config.gating == "competitive"
+    assert get_merge_rule("mgr").kind == "chain" and get_merge_rule("rescontroller").kind == "merge"
+
+
+def test_variant_names_work_in_patch_residuals_as_in_the_cli():
+    model = _gpt()
+    report = patch_residuals(model, method="mgr-independent", streams=2)
+    assert report.method == "mgr-independent" and report.options["gating"] == "independent"
+    assert all(s.chain_module.gating == "independent" for s in merge_sites(model))
+    with pytest.raises(ValueError, match="fixes gating='independent'"):
+        patch_residuals(_gpt(), method="mgr-independent", gating="competitive")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(method="nope"), "registered merge rules"),
+    (dict(method="rescontroller", update_rate=0.1), "update_rate"),
+    (dict(method="rescontroller", update_ratio=-1.0), "update_ratio must be > 0"),
+    (dict(method="mgr", streams=1), "streams must be an int >= 2"),
+    (dict(method="mgr", eps=0.0), "eps must be > 0"),
+    (dict(method="mgr", b_base=float("nan")), "b_base must be a finite number"),
+    (dict(method="mgr", gating="soft"), "gating must be one of"),
+])
+def test_bad_options_name_the_argument(bad, match):
+    with pytest.raises(ValueError, match=match):
+        patch_residuals(_gpt(), **bad)
+    method = bad.pop("method")
+    with pytest.raises(ValueError, match=match):  # at construction, not inside fit
+        ResidualControlCallback(method=method, **bad)
+
+
+def test_register_refuses_bad_entries(half):
+    with pytest.raises(ValueError, match="registered already"):
+        register_merge_rule("toy-half", Half)
+    with pytest.raises(TypeError, match="MergeRule"):
+        register_merge_rule("x", object)
+    with pytest.raises(ValueError, match="not options"):
+        register_merge_rule("x", Half, sharpness=2)
+    with pytest.raises(ValueError, match="plain"):
+        register_merge_rule("plain", Half)
+
+
+def test_outside_rule_works_by_name_in_patch_residuals(half):
+    assert half in merge_rules()
+    model = _gpt()
+    x = model.example_input_array
+    ref = model(x)
+    report = patch_residuals(model, method=half, scale=0.25)
+    assert len(report.sites) == 4 and report.options == {"scale": 0.25}
+    # the result is what the toy rule computes: zero scale would make every block a no-op
+    with torch.no_grad():
+        for s in merge_sites(model):
+            s.rule.config.scale = 1.0
+        assert torch.allclose(model(x), ref, atol=1e-6)
+    unpatch_residuals(model)
+    assert torch.equal(model(x), ref)
+    with pytest.raises(ValueError, match="scale must be > 0"):
+        patch_residuals(_gpt(), method=half, scale=0.0)
+
+
+class LitToy(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = _gpt()
+        self.example_input_array = self.model.example_input_array
+
+    def forward(self, x):
+        return self.model(x)
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def validation_step(self, batch, i):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("val_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _loader():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 11, (8, 8), generator=g)
+    return torch.utils.data.DataLoader(list(zip(x, x.roll(1, 1))), batch_size=4)
+
+
+def test_outside_rule_works_in_the_callbacks(half, tmp_path):
+    module = LitToy()
+    control = ResidualControlCallback(method=half, scale=0.5, log_every_n_steps=1, depth_images=False)
+    ablation = ResidualAblationCallback(max_batches=1, depth_images=False)
+    trainer = L.Trainer(max_steps=2, limit_val_batches=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[control, ablation],
+                        default_root_dir=tmp_path)
+    trainer.fit(module, _loader(), _loader())
+    sites = merge_sites(module)
+    assert sites and all(s.method == half for s in sites)
+    assert len(control.depth_profile["stream_rms"]) == 4
+    assert len(ablation.loss_increase) == 4
+
+
+def test_a_chain_rule_must_build_a_chain():
+    class Broken(ChainRule):
+        pass
+
+    register_merge_rule("toy-broken", Broken)
+    try:
+        with pytest.raises(NotImplementedError):
+            patch_residuals(_gpt(), method="toy-broken")
+    finally:
+        _REGISTRY.pop("toy-broken", None)
