@@ -39,6 +39,7 @@ _EXPORTS = {
     "get_patch_report": "surgery",
     "merge_sites": "surgery",
     "load_unpatched_state_dict": "surgery",
+    "patch_from_state_dict": "surgery",
     "MGRRun": "mgr",
     "merge_rules": "rules",
     "register_merge_rule": "rules",

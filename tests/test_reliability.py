@@ -241,6 +241,25 @@ def test_patched_checkpoint_never_loads_silently_into_unpatched_model(method):
     assert set(torch.load(buf, weights_only=True)) == set(sd)
 
 
+@pytest.mark.parametrize("method", ALL)
+def test_patch_from_state_dict_gives_back_the_trained_network(method):
+    from lightning_resctl import patch_from_state_dict
+
+    torch.manual_seed(0)
+    model = LoopNet()
+    options = {"streams": 2} if get_merge_rule(method).kind == "chain" and method.startswith("mgr") else {}
+    patch_residuals(model, method=method, example_input=(_x(),), **options)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    fresh = LoopNet()
+    report = patch_from_state_dict(fresh, model.state_dict(), example_input=(_x(),))
+    assert report.method == method
+    assert torch.equal(fresh(_x(5)), model(_x(5)))
+    with pytest.raises(ValueError, match="no lightning_resctl site record"):
+        patch_from_state_dict(LoopNet(), LoopNet().state_dict(), example_input=(_x(),))
+
+
 def test_checkpoint_of_other_options_is_refused_with_the_reason():
     torch.manual_seed(0)
     a = LoopNet()

@@ -31,6 +31,7 @@ from .patch import (
     get_patch_report,
     load_unpatched_state_dict,
     merge_sites,
+    patch_from_state_dict,
     patch_residuals,
     unpatch_residuals,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "get_patch_report",
     "merge_sites",
     "load_unpatched_state_dict",
+    "patch_from_state_dict",
     "MergeSite",
     "PatchReport",
     "SiteInfo",

@@ -13,7 +13,8 @@ from .report import ChainInfo, PatchReport, SiteInfo, SkippedInfo
 from .rewrite import Edit, RewriteError, is_patched_class, patched_subclass, unwrap_depth
 from .sites import ChainEnd, ChainRun, ChainStart, MergeSite
 
-__all__ = ["patch_residuals", "unpatch_residuals", "get_patch_report", "merge_sites", "load_unpatched_state_dict"]
+__all__ = ["patch_residuals", "unpatch_residuals", "get_patch_report", "merge_sites", "load_unpatched_state_dict",
+           "patch_from_state_dict"]
 
 _STATE_ATTR = "_resctl_patch"
 _SITE_PREFIX = "_resctl_site"
@@ -185,6 +186,32 @@ def load_unpatched_state_dict(model: nn.Module, state_dict: dict) -> list:
         raise RuntimeError(f"checkpoint does not match the unpatched model: missing keys {missing}, "
                            f"unexpected keys {list(result.unexpected_keys)}")
     return [k for k in result.missing_keys if k in new]
+
+
+def patch_from_state_dict(model: nn.Module, state_dict: dict, example_input: Any = None, **kwargs) -> PatchReport:
+    """Re-apply the patch a checkpoint was saved with, then load it: for a checkpoint of a patched model and
+    a fresh, unpatched ``model`` of the same config (e.g. ``MyModule(...)`` built by hand)::
+
+        model = MyModule(**hparams)
+        patch_from_state_dict(model, torch.load(path)["state_dict"])
+
+    The rule and its options are read from the sites' records in ``state_dict`` (see
+    :meth:`MergeSite.get_extra_state`); ``example_input`` and ``kwargs`` (``include``/``exclude``) are passed
+    to :func:`patch_residuals`. The load is strict. Raises ValueError when ``state_dict`` holds no record."""
+    from .sites import decode_record
+
+    records = [decode_record(v) for k, v in state_dict.items()
+               if k.endswith("._extra_state") and k.rsplit(".", 2)[-2].startswith(_SITE_PREFIX)]
+    if not records:
+        raise ValueError("state_dict holds no lightning_resctl site record (it is not from a patched model): use "
+                         "model.load_state_dict")
+    kinds = {(r["method"], repr(sorted(r["options"].items()))) for r in records}
+    if len(kinds) > 1:
+        raise ValueError(f"state_dict mixes several patches {sorted(kinds)}: patch the model by hand, then load")
+    method, options = records[0]["method"], dict(records[0]["options"])
+    report = patch_residuals(model, method=method, example_input=example_input, **kwargs, **options)
+    model.load_state_dict(state_dict)
+    return report
 
 
 # ---------------------------------------------------------------------------------------------- checks

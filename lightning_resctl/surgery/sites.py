@@ -187,11 +187,7 @@ class MergeSite(nn.Module):
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
 
     def set_extra_state(self, state: Any) -> None:
-        if isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1:
-            try:
-                state = json.loads(bytes(state.cpu().tolist()).decode())
-            except ValueError:
-                pass
+        state = decode_record(state)
         if not isinstance(state, dict) or "method" not in state:
             raise RuntimeError(f"state_dict entry for the merge site at {self.location} is not a lightning_resctl "
                                f"site record: {state!r}")
@@ -277,6 +273,16 @@ class MergeSite(nn.Module):
         if h.dtype != out_dtype:
             h = h.to(out_dtype)
         return h.movedim(-1, d) if moved else h
+
+
+def decode_record(state: Any) -> Any:
+    """A site record from its state_dict form (uint8 JSON tensor); anything else is returned as is."""
+    if isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1:
+        try:
+            return json.loads(bytes(state.cpu().tolist()).decode())
+        except ValueError:
+            return state
+    return state
 
 
 def _plain(value: Any) -> Any:
