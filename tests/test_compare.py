@@ -36,7 +36,7 @@ def pipeline(tmp_path_factory):
             "--batch-size", "4", "--steps", "6", "--eval-every", "3", "--val-batches", "2", "--seeds", "2",
             "--methods", ",".join(ALL), "--log-every-n-steps", "2", "--ablation-batches", "1",
             "--warmup-steps", "2", "--progress-bar", "false", "--accelerator", "cpu", "--out", str(out),
-            "--threads", "1", "--depth-images", "false"]  # tiny ops: one thread avoids OpenMP overhead on a shared CPU
+            "--threads", "1", "--depth-images", "false", "--cost-steps", "2", "--cost-warmup", "1"]  # tiny ops: one thread avoids OpenMP overhead on a shared CPU
     cfg = parse_config(argv)
     summary = run_comparison(cfg)
     return cfg, out, summary
@@ -58,7 +58,10 @@ def test_pipeline_writes_summary_and_plots_with_finite_numbers(pipeline):
             assert s[key]["n"] == 2, (m, key)
             assert _finite(s[key]["mean"]) and _finite(s[key]["spread"]), (m, key, s[key])
         assert s["final_val_loss"]["mean"] > 0
-        assert _finite(s["tokens_per_s_ratio"]) and s["tokens_per_s_ratio"] > 0
+        # cost vs plain: measured side by side in one process, for every method, plain exactly 1
+        assert _finite(s["cost_vs_plain"]) and s["cost_vs_plain"] > 0, (m, s["cost_vs_plain"])
+        assert len(data["cost"]["ratios"][m]) == 2 and _finite(s["step_s"]) and s["step_s"] > 0
+        assert s["description"], m
         assert _finite(s["stream_rms_last_over_first"]) and s["stream_rms_last_over_first"] > 0, m
         assert _finite(s["max_activation_ratio"]) and s["max_activation_ratio"] >= 1.0, m
         for family in ("stream_rms", "update_ratio"):
@@ -69,13 +72,18 @@ def test_pipeline_writes_summary_and_plots_with_finite_numbers(pipeline):
         steps, values = s["val_curve"]
         assert steps == [3, 6] and all(map(_finite, values)), (m, s["val_curve"])
         # the summary's table row for the method holds finite numbers (no 'nan' / 'n/a')
-        row = next(line for line in md.splitlines() if line.startswith(f"| {m} |"))
+        row = [line for line in md.splitlines() if line.startswith(f"| {m} |")][1]  # [0]: the methods table
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == 9, row
         assert not re.search(r"\bnan\b|n/a|inf", row), row
         numbers = [float(x.replace(",", "")) for x in re.findall(r"-?[\d,]*\.?\d+(?:e[-+]?\d+)?", row)]
         assert len(numbers) >= 10 and all(map(math.isfinite, numbers)), row
     # parameters added: none for plain / add / ResController; MGR's queries and gates otherwise
+    assert data["methods"]["plain"]["cost_vs_plain"] == 1.0
+    header = next(line for line in md.splitlines() if line.startswith("| method | final val loss"))
+    assert "cost vs plain" in header and "tokens/s" in header
+    assert header.index("cost vs plain") < header.index("tokens/s")  # raw tokens/s is the secondary column
+    assert json.loads((out / "cost.json").read_text())["rounds"] == 2
     params = {m: data["methods"][m]["params_added"] for m in ALL}
     assert params["plain"] == params["add"] == params["rescontroller"] == 0
     assert params["mgr-independent"] > 0 and params["mgr-competitive"] > params["mgr-independent"]
@@ -116,6 +124,10 @@ def test_every_run_has_tensorboard_logs_and_matched_data(pipeline):
     s0 = json.loads((out / "runs" / "plain_seed0.json").read_text())
     s1 = json.loads((out / "runs" / "plain_seed1.json").read_text())
     assert s0["train_curve"] != s1["train_curve"]
+    # every merge is labelled with the sub-layer feeding it: attention and MLP alternate in the GPT
+    for m in ALL:
+        run = json.loads((out / "runs" / f"{m}_seed0.json").read_text())
+        assert run["branches"] == ["attn", "mlp"] * cfg.n_layer, (m, run["branches"])
     # the patched methods really changed the model's merges
     mgr = json.loads((out / "runs" / "mgr-competitive_seed0.json").read_text())
     assert mgr["sites"] == 2 * cfg.n_layer and mgr["train_curve"] != s0["train_curve"]
@@ -244,3 +256,80 @@ def test_hf_dataset_loads_text_and_reports_network_errors(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
     with pytest.raises(RuntimeError, match="could not load the Hugging Face dataset 'me/corpus'.*network"):
         hf_corpus("me/corpus")
+
+
+# --- cost vs plain: interleaved steps, median of per-round ratios ----------------------------------
+
+class _FakeModel(torch.nn.Module):
+    """Records the order of training steps and advances a fake clock by its method's step time."""
+
+    def __init__(self, log, clock):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(2))
+        self.log, self.clock, self.name = log, clock, None
+
+    def _loss(self, batch):
+        self.log.append(self.name)
+        self.clock["t"] += {"plain": 1.0, "slow": 2.0, "fast": 0.5}[self.name]
+        return (self.w * batch[0].float().mean()).sum()
+
+    def configure_optimizers(self):
+        return {"optimizer": torch.optim.SGD(self.parameters(), lr=0.1)}
+
+
+def test_cost_interleaves_methods_and_reports_median_ratio_to_plain(monkeypatch):
+    from lightning_resctl.compare import cost
+
+    log, clock = [], {"t": 0.0}
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: clock["t"])
+
+    def tag(model, name, streams=None):
+        model.name = name
+
+    monkeypatch.setattr(cost, "apply_method", tag)
+    batches = [(torch.ones(2, 3),)] * 5
+    res = cost.measure_cost(["slow", "fast"], lambda: _FakeModel(log, clock), batches, warmup=1)
+    # plain is always measured; every round runs every method once, in a rotating order
+    assert set(res["ratio"]) == {"plain", "slow", "fast"}
+    rounds = [log[i:i + 3] for i in range(0, len(log), 3)]
+    assert len(rounds) == 5 and all(sorted(r) == ["fast", "plain", "slow"] for r in rounds)
+    assert len({tuple(r) for r in rounds}) == 3  # the order rotates
+    assert res["rounds"] == 4 and all(len(v) == 4 for v in res["ratios"].values())
+    assert res["ratio"] == {"plain": 1.0, "slow": 2.0, "fast": 0.5}
+    assert res["step_s"]["slow"] == 2.0
+
+
+# --- plots ---------------------------------------------------------------------------------------
+
+def test_depth_plot_has_seed_band_integer_ticks_and_branch_markers():
+    from matplotlib.collections import PolyCollection
+
+    from lightning_resctl.compare.plots import SeedCurves, band_figure
+
+    curves = {"plain": SeedCurves.from_profiles([[1, 2, 4, 8], [1, 3, 5, 9]]),
+              "mgr": SeedCurves.from_profiles([[1, 1.5, 2, 2], [1, 1.4, 2.2, 2.5]])}
+    assert curves["plain"].lo.tolist() == [1, 2, 4, 8] and curves["plain"].hi.tolist() == [1, 3, 5, 9]
+    fig = band_figure(curves, xlabel="depth", ylabel="rms", title="t", logy=True, depth_axis=True,
+                      branches=["attn", "mlp", "attn", "mlp"])
+    ax = fig.axes[0]
+    assert sum(isinstance(c, PolyCollection) for c in ax.collections) == 2  # one seed band per method
+    ticks = [t for t in ax.get_xticks() if -0.5 <= t <= 3.5]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"attention merge", "MLP merge", "range over 2 seeds"} <= set(labels)
+    markers = {line.get_marker() for line in ax.get_lines()}
+    assert {"o", "s"} <= markers
+
+
+def test_val_curve_band_from_per_seed_curves():
+    from lightning_resctl.compare.plots import SeedCurves
+
+    c = SeedCurves.from_curves([[(10, 3.0), (20, 2.0), (30, 1.5)], [(10, 3.2), (20, 2.2)]])
+    assert c.xs.tolist() == [10, 20] and c.mean.tolist() == pytest.approx([3.1, 2.1])
+    assert c.lo.tolist() == [3.0, 2.0] and c.hi.tolist() == pytest.approx([3.2, 2.2])
+
+
+def test_default_validation_gives_a_curve():
+    cfg = CompareConfig()
+    assert cfg.steps // cfg.eval_every >= 12  # enough points to read a curve, not 8
+    assert cfg.val_batches <= 3
