@@ -282,6 +282,7 @@ def test_cost_interleaves_methods_and_reports_median_ratio_to_plain(monkeypatch)
 
     log, clock = [], {"t": 0.0}
     monkeypatch.setattr(cost.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(cost.time, "process_time", lambda: clock["t"])
 
     def tag(model, name, streams=None):
         model.name = name

@@ -183,7 +183,7 @@ def write_summary(results: Sequence[dict[str, Any]], cfg: CompareConfig, out_dir
         cost_text = (f"cost vs plain: a training step's time over plain's, measured in one process before the runs, "
                      f"{cost['rounds']} rounds of one step per method in rotating order on the same batch, median "
                      f"of the per-round ratios (forward, backward, clipping and optimizer step; no Lightning, no "
-                     f"diagnostics); device {cost.get('device', '?')}. ")
+                     f"diagnostics); device {cost.get('device', '?')}, timed by {cost.get('clock', 'wall time')}. ")
     else:
         cost_text = "cost vs plain: not measured (--cost-steps 0). "
     lines += ["± is the seed spread: half the range of the per-seed values (with 2 seeds, mean ± spread is "
