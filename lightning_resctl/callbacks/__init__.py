@@ -1,4 +1,4 @@
-"""Lightning callbacks recording what the residual merges do (see ``shared/spec/diagnostics.md``).
+"""Lightning callbacks recording what the residual merges do (see ``docs/diagnostics.md``).
 
 * :class:`ResidualControlCallback` — patch (optional) + per-depth diagnostics in TensorBoard.
 * :class:`ResidualAblationCallback` — validation-loss increase per skipped merge.
