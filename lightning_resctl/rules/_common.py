@@ -1,0 +1,219 @@
+"""Pieces shared by the baseline chain rules (``attnres*``, ``hc``, ``mhc``, ``mhc-lite``).
+
+* :func:`rms_norm` (fp32, fp64 stays fp64; no affine) and :func:`compute_dtype` — re-used from
+  :mod:`lightning_resctl.mgr`, so every rule normalises the same way;
+* the **common "pre / res / post" frame** of the hyper-connection family (docs/rules/hc.md): n streams
+  per token ``S (..., n, C)``; sub-layer j has coefficients ``pre_j (n)``, ``res_j (n, n)``, ``post_j (n)``
+  computed from ``S_j``::
+
+      h_j        = sum_s pre_j[s] S_j[s]                      (frame_read)
+      S_{j+1}[t] = sum_s res_j[t, s] S_j[s] + post_j[t] u_j    (frame_write; row t = output stream t)
+
+  :class:`FrameChain` holds one coefficient module per merge (each with ``coefficients(S)`` and
+  ``reset_parameters()``); :class:`FrameRule` is the chain-rule runtime for any such family (HC, mHC,
+  mHC-lite differ only in their coefficient modules).
+
+Surgery mapping (site k receives u_k): the chain input x is expanded into n copies; the coefficients of
+merge k are computed lazily from the streams entering it (the *reader* owns them: after merge k the model
+sees ``h_{next_k}``, computed with merge ``next_k``'s parameters from the new streams, and ``res/post`` of
+``next_k`` are stashed for its merge); the last merge returns ``reduce(S_K)`` (sum or mean over streams).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..mgr import RMS_EPS, _compute_dtype as compute_dtype, rms_norm  # noqa: F401  (shared, re-exported)
+from .base import ChainRule, check_choice, check_finite, check_int
+
+__all__ = ["rms_norm", "compute_dtype", "RMS_EPS", "check_eps", "check_bool", "FrameState", "FrameChain",
+           "FrameRule", "frame_read", "frame_write", "frame_reduce", "frame_step_reference",
+           "frame_chain_reference", "REDUCES"]
+
+REDUCES = ("sum", "mean")
+
+
+# ---------------------------------------------------------------------------------------------- option checks
+def check_eps(name: str, value) -> float:
+    """A finite eps >= 0 (0 disables the floor: exact scale invariance, NaN on all-zero rows)."""
+    value = check_finite(name, value)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- frame math
+def frame_step_reference(streams: Tensor, u: Optional[Tensor], pre: Tensor, res: Tensor, post: Tensor
+                         ) -> tuple[Tensor, Tensor]:
+    """The frame of one layer (the oracle), in the coefficients' dtype::
+
+        h        = sum_s pre[s] S[s]
+        S'[t]    = sum_s res[t, s] S[s] + post[t] u       (u None: the update is dropped)
+
+    ``streams`` (..., n, C); ``pre``/``post`` (..., n); ``res`` (..., n, n), row = output stream.
+    Returns ``(h (..., C), S' (..., n, C))``."""
+    cd = pre.dtype
+    s = streams.to(cd)
+    h = torch.einsum("...s,...sc->...c", pre, s)
+    out = torch.einsum("...ts,...sc->...tc", res, s)
+    if u is not None:
+        out = out + post.unsqueeze(-1) * u.to(cd).unsqueeze(-2)
+    return h, out
+
+
+def frame_read(pre: Tensor, streams: Tensor) -> Tensor:
+    """``h = sum_s pre[s] S[s]``, accumulated in the coefficients' dtype, returned in the streams' dtype.
+
+    Elementwise products and a sum (no matmul): with one-hot ``pre`` the result is bitwise the selected
+    stream, on every device (no TF32)."""
+    h = (pre.unsqueeze(-1) * streams.to(pre.dtype)).sum(-2)
+    return h.to(streams.dtype)
+
+
+def frame_write(streams: Tensor, res: Tensor, post: Tensor, u: Optional[Tensor]) -> Tensor:
+    """``S'[t] = post[t] u + sum_s res[t, s] S[s]`` in the coefficients' dtype, returned in the streams' dtype.
+
+    One broadcast multiply-add per input stream over existing tensors: autograd saves views of ``S`` and
+    ``u`` and the coefficients, never an (n, n, C) product; with ``res = I``, ``post = 1`` the result is
+    bitwise ``S[t] + u`` (one rounding, as the plain residual)."""
+    cd = res.dtype
+    n = streams.shape[-2]
+    acc = None if u is None else post.unsqueeze(-1) * u.to(cd).unsqueeze(-2)
+    for s in range(n):
+        term = res[..., :, s].unsqueeze(-1) * streams[..., s, :].to(cd).unsqueeze(-2)
+        acc = term if acc is None else acc + term
+    return acc.to(streams.dtype)
+
+
+def frame_reduce(streams: Tensor, reduce: str) -> Tensor:
+    """The chain output: ``sum_s S[s]`` (``"sum"``) or the mean, accumulated in fp32, in the streams' dtype."""
+    s = streams.to(compute_dtype(streams))
+    out = s.sum(-2) if reduce == "sum" else s.mean(-2)
+    return out.to(streams.dtype)
+
+
+def frame_chain_reference(layers, x: Tensor, branches, reduce: str = "sum") -> tuple[Tensor, list]:
+    """A whole frame chain as the hc/mHC papers write it (the oracle of the runtime): ``S_0 = n copies of x``;
+    sub-layer 0 reads x (the surgery's convention); sub-layer j >= 1 reads ``h_j``; returns
+    ``(reduce(S_K), [h_0, ..., h_{K-1}])`` in the coefficients' dtype."""
+    n = layers[0].streams
+    s = x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1])
+    hs = []
+    for j, (layer, f) in enumerate(zip(layers, branches)):
+        pre, res, post = layer.coefficients(s)
+        h, _ = frame_step_reference(s, None, pre, res, post)
+        h = x.to(h.dtype) if j == 0 else h
+        hs.append(h)
+        _, s = frame_step_reference(s, f(h), pre, res, post)
+    s = s.to(compute_dtype(s))
+    return (s.sum(-2) if reduce == "sum" else s.mean(-2)), hs
+
+
+# ---------------------------------------------------------------------------------------------- chain + rule
+class FrameState(NamedTuple):
+    """The chain state between merges: the streams, and the ``res``/``post`` stashed for merge ``layer``
+    (computed when its branch input was read; -1: none stashed)."""
+
+    streams: Tensor
+    layer: int
+    res: Optional[Tensor]
+    post: Optional[Tensor]
+
+
+class FrameChain(nn.Module):
+    """One chain of a frame rule: ``merges[j]`` holds layer j's parameters and computes its coefficients."""
+
+    def __init__(self, dim: int, num_merges: int, streams: int, reduce: str, merges: list):
+        super().__init__()
+        self.dim, self.num_merges, self.streams, self.reduce = int(dim), int(num_merges), int(streams), reduce
+        self.merges = nn.ModuleList(merges)
+
+    def reset_parameters(self) -> None:
+        for m in self.merges:
+            m.reset_parameters()
+
+    def coefficients(self, j: int, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(pre (..., n), res (..., n, n), post (..., n))`` of layer j on the streams entering it (fp32)."""
+        return self.merges[j].coefficients(streams)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_merges={self.num_merges}, streams={self.streams}, reduce={self.reduce!r}"
+
+
+class FrameRule(ChainRule):
+    """Chain-rule runtime of the pre/res/post frame. Subclasses set ``Config`` (with ``streams``, ``reduce``)
+    and implement :meth:`build_layer`; the coefficient modules implement ``coefficients(S)``."""
+
+    max_streams: Optional[int] = None
+
+    def validate(self, config):
+        check_int("streams", config.streams, 1)
+        if self.max_streams is not None and config.streams > self.max_streams:
+            raise ValueError(self.too_many_streams(config.streams))
+        check_choice("reduce", config.reduce, REDUCES)
+        check_eps("eps", config.eps)
+
+    def too_many_streams(self, n: int) -> str:
+        return f"streams must be <= {self.max_streams} for method={self.name!r}, got {n!r}"
+
+    def summary(self):
+        return f"n={self.config.streams}"
+
+    def build_layer(self, index: int, dim: int) -> nn.Module:
+        raise NotImplementedError
+
+    def build_chain(self, dim, num_merges):
+        layers = [self.build_layer(j, dim) for j in range(num_merges)]
+        return FrameChain(dim, num_merges, self.config.streams, self.config.reduce, layers)
+
+    # ---- runtime
+    def start(self, chain, x):
+        n = chain.streams
+        return FrameState(x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]), -1, None, None)
+
+    def _stashed(self, chain, k, state):
+        if state.layer == k:
+            return state.res, state.post
+        _, res, post = chain.coefficients(k, state.streams)
+        return res, post
+
+    def _read(self, chain, streams, next_k):
+        if next_k >= chain.num_merges:
+            return FrameState(streams, -1, None, None), frame_reduce(streams, chain.reduce)
+        pre, res, post = chain.coefficients(next_k, streams)
+        return FrameState(streams, next_k, res, post), frame_read(pre, streams)
+
+    def step(self, chain, k, state, u, next_k):
+        res, post = self._stashed(chain, k, state)
+        return self._read(chain, frame_write(state.streams, res, post, u), next_k)
+
+    def skip(self, chain, k, state, next_k):
+        """Ablation *(choice)*: layer k is removed — the streams pass unchanged (no res mix, no update);
+        the next reader computes its coefficients from them."""
+        return self._read(chain, state.streams, next_k)
+
+    def streams(self, chain, state):
+        return state.streams if isinstance(state, FrameState) else state
+
+    # ---- diagnostics
+    def make_stats(self, num_depths, model):
+        from ._stats import FrameStats
+
+        return FrameStats(num_depths, self.config.streams, prefix=self.stats_prefix)
+
+    stats_prefix = "hc"
+
+    def observe(self, stats, depth, site, position, stream, update, state):
+        if state is None:
+            return
+        s = state.streams if isinstance(state, FrameState) else state
+        pre, res, post = site.chain_module.coefficients(int(position), s.detach())
+        stats.update(depth, pre=pre, res=res, post=post)
