@@ -1,0 +1,299 @@
+"""``attnres`` (Full Attention Residuals) and ``attnres-block`` (Block AttnRes), Kimi Team 2603.15031, as chain
+rules (docs/rules/attnres.md).
+
+The depth pool (per token; :func:`attnres_pool_reference` is the oracle)::
+
+    RMSNorm(v) = v / sqrt(mean(v^2) + eps)                  over C, no affine, fp32
+    z_i   = (q * g) . RMSNorm(V_i)                          no 1/sqrt(C), no temperature
+    alpha = softmax_i(z);   h = sum_i alpha_i V_i           the raw sources are mixed
+
+Sources after merge k (t = k+1 updates, block size S; Full = S = 1): ``b_0 = x`` (the chain input), completed
+blocks ``b_m = sum_{i=(m-1)S}^{mS-1} u_i``, and the partial block ``P = sum_{i=cS}^{t-1} u_i`` only when
+``t mod S != 0`` (an empty partial is absent). Site k returns the pool of its sources with its own query
+``w_k`` (= the query of sub-layer k+1; the last site's is the output query); in general, what sub-layer j
+reads is pooled with site j-1's query.
+
+Training path (:class:`AttnResRule`): the sources are kept as a tuple of the existing tensors (the updates
+themselves, fp32 copies only for half-precision streams) with one cached rms per source; each merge computes
+``z_i = (V_i . qg) * rms_i`` and ``h = sum_i alpha_i V_i`` over them — autograd saves only views of the sources
+and the m weights per token, never an (m, C) stack per merge (that would be O(K^2 C) memory for Full AttnRes).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ._common import check_bool, check_eps, compute_dtype, rms_norm
+from .base import ChainRule, check_int
+
+__all__ = ["AttnResConfig", "BlockAttnResConfig", "AttnResRule", "BlockAttnResRule", "AttnResChain", "AttnResMerge",
+           "AttnResState", "attnres_pool_reference", "attnres_sources_reference", "attnres_chain_reference",
+           "default_block_size", "num_sources"]
+
+
+# ---------------------------------------------------------------------------------------------- references
+def attnres_pool_reference(sources: Tensor, query: Tensor, gain: Optional[Tensor] = None, eps: float = 1e-6
+                           ) -> tuple[Tensor, Tensor]:
+    """The depth pool (formula in the module docstring). ``sources`` (..., m, C), ``query``/``gain`` (C,).
+    Returns ``(h (..., C) in the sources' dtype, alpha (..., m) fp32/fp64)``."""
+    cd = compute_dtype(sources)
+    w = query.to(cd) if gain is None else query.to(cd) * gain.to(cd)
+    alpha = torch.softmax(rms_norm(sources, eps) @ w, dim=-1)
+    h = (alpha.unsqueeze(-1) * sources.to(cd)).sum(-2)
+    return h.to(sources.dtype), alpha
+
+
+def attnres_sources_reference(x: Tensor, updates: Sequence[Tensor], block_size: int) -> list[Tensor]:
+    """The sources after ``t = len(updates)`` updates, straight from Eq. 5-6: ``[b_0 = x, b_1 .. b_c]`` plus the
+    partial block when ``t mod S != 0``."""
+    s, t = block_size, len(updates)
+    c = t // s
+    out = [x] + [sum(updates[(m - 1) * s:m * s]) for m in range(1, c + 1)]
+    if t % s:
+        out.append(sum(updates[c * s:t]))
+    return out
+
+
+def attnres_chain_reference(x: Tensor, branches: Sequence, queries: Sequence[Tensor],
+                            gains: Optional[Sequence[Tensor]] = None, block_size: int = 1, eps: float = 1e-6
+                            ) -> tuple[Tensor, list[Tensor]]:
+    """A whole AttnRes chain (the oracle): sub-layer 0 reads x; after merge k the sources are recomputed from
+    scratch and pooled with ``queries[k]``. Returns ``(output, [h_0, ..., h_{K-1}])``."""
+    updates, hs, h = [], [], x
+    for k, f in enumerate(branches):
+        hs.append(h)
+        updates.append(f(h))
+        src = torch.stack(attnres_sources_reference(x, updates, block_size), dim=-2)
+        h, _ = attnres_pool_reference(src, queries[k], None if gains is None else gains[k], eps)
+    return h, hs
+
+
+def default_block_size(num_merges: int) -> int:
+    """``S = 2 * max(1, floor(K/16 + 1/2))`` (K = 54 -> 6, K = 32 -> 4; even, so attention + MLP share a block)."""
+    return 2 * max(1, math.floor(num_merges / 16 + 0.5))
+
+
+def num_sources(t: int, block_size: int) -> int:
+    """Sources after ``t`` updates: ``1 + floor(t/S) + (t mod S != 0)``."""
+    return 1 + t // block_size + (1 if t % block_size else 0)
+
+
+# ---------------------------------------------------------------------------------------------- modules
+class AttnResMerge(nn.Module):
+    """Site ``index``'s parameters: ``pool_query`` (C,) = w, zeros (paper §5); ``key_norm_weight`` (C,) = g, ones
+    (only with ``key_norm_affine``)."""
+
+    def __init__(self, index: int, dim: int, key_norm_affine: bool = True):
+        super().__init__()
+        self.index, self.dim, self.key_norm_affine = int(index), int(dim), bool(key_norm_affine)
+        self.pool_query = nn.Parameter(torch.empty(dim))
+        if self.key_norm_affine:
+            self.key_norm_weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.pool_query.zero_()
+        if self.key_norm_affine:
+            self.key_norm_weight.fill_(1.0)
+
+    def query(self, dtype: torch.dtype) -> Tensor:
+        """``q * g`` in ``dtype``."""
+        q = self.pool_query.to(dtype)
+        return q * self.key_norm_weight.to(dtype) if self.key_norm_affine else q
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}, dim={self.dim}, key_norm_affine={self.key_norm_affine}"
+
+
+class AttnResChain(nn.Module):
+    """One AttnRes chain: ``merges[k]`` (site k's query), the block size S (1 = Full AttnRes) and the key-norm eps."""
+
+    def __init__(self, dim: int, num_merges: int, block_size: int = 1, key_norm_affine: bool = True,
+                 eps: float = 1e-6):
+        super().__init__()
+        self.dim, self.num_merges, self.block_size = int(dim), int(num_merges), int(block_size)
+        self.eps = float(eps)
+        self.merges = nn.ModuleList(AttnResMerge(k, dim, key_norm_affine) for k in range(num_merges))
+
+    def reset_parameters(self) -> None:
+        for m in self.merges:
+            m.reset_parameters()
+
+    @property
+    def max_sources(self) -> int:
+        return max(num_sources(t, self.block_size) for t in range(1, self.num_merges + 1))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_merges={self.num_merges}, block_size={self.block_size}"
+
+
+class AttnResState(NamedTuple):
+    """Completed blocks (b_0 = x first) with their cached rms, the partial block (None: empty) and the number of
+    update positions passed (``t`` = position of the last merge that ran + 1)."""
+
+    blocks: tuple
+    rms: tuple
+    partial: Optional[Tensor]
+    t: int
+
+    def sources(self) -> list:
+        return list(self.blocks) + ([] if self.partial is None else [self.partial])
+
+
+def _rms(v: Tensor, eps: float) -> Tensor:
+    return torch.rsqrt((v * v).mean(-1, keepdim=True) + eps)
+
+
+def _pool(chain: AttnResChain, j: int, state: AttnResState) -> tuple[Tensor, Tensor]:
+    """Pool the state's sources with site j's query, over the existing tensors. Returns ``(h, alpha)`` in the
+    compute dtype."""
+    srcs = state.sources()
+    rms = list(state.rms) + ([] if state.partial is None else [_rms(state.partial, chain.eps)])
+    w = chain.merges[j].query(srcs[0].dtype)
+    z = torch.cat([(v * w).sum(-1, keepdim=True) * r for v, r in zip(srcs, rms)], dim=-1)
+    alpha = torch.softmax(z, dim=-1)
+    h = alpha[..., 0:1] * srcs[0]
+    for i in range(1, len(srcs)):
+        h = h + alpha[..., i:i + 1] * srcs[i]
+    return h, alpha
+
+
+def _advance(chain: AttnResChain, k: int, state: AttnResState, u: Optional[Tensor]) -> AttnResState:
+    """Merge ``u`` (None: dropped) as merge k: close a partial block left over from an earlier block (merges that
+    did not run in this forward), add u to the partial, close it at a block boundary."""
+    s = chain.block_size
+    blocks, rms, p = state.blocks, state.rms, state.partial
+    if p is not None and (state.t - 1) // s != k // s:
+        blocks, rms, p = blocks + (p,), rms + (_rms(p, chain.eps),), None
+    if u is not None:
+        p = u if p is None else p + u
+    t = k + 1
+    if p is not None and t % s == 0:
+        blocks, rms, p = blocks + (p,), rms + (_rms(p, chain.eps),), None
+    return AttnResState(blocks, rms, p, t)
+
+
+# ---------------------------------------------------------------------------------------------- rules
+@dataclass
+class AttnResConfig:
+    """Options of ``attnres`` (Full AttnRes; docs/rules/attnres.md).
+
+    key_norm_affine: give each site a key-norm weight g (ones) besides its query (False: none).
+    eps: key RMSNorm epsilon (>= 0).
+    """
+
+    key_norm_affine: bool = True
+    eps: float = 1e-6
+
+
+@dataclass
+class BlockAttnResConfig:
+    """Options of ``attnres-block`` (docs/rules/attnres.md).
+
+    block_size: S >= 1 merges per block (None: ``num_blocks`` or the default ``2 * max(1, floor(K/16 + 1/2))``).
+    num_blocks: N >= 1 blocks, S = ceil(K / N) (exclusive with block_size).
+    key_norm_affine, eps: as for ``attnres``.
+    """
+
+    block_size: Optional[int] = None
+    num_blocks: Optional[int] = None
+    key_norm_affine: bool = True
+    eps: float = 1e-6
+
+
+class AttnResRule(ChainRule):
+    Config = AttnResConfig
+    description = "Full Attention Residuals: each sub-layer reads a softmax-weighted mix of all earlier updates"
+    chain_attr = "_resctl_attnres"
+
+    def validate(self, config):
+        check_bool("key_norm_affine", config.key_norm_affine)
+        check_eps("eps", config.eps)
+
+    def block_size(self, num_merges: int) -> int:
+        return 1
+
+    def summary(self):
+        return "full"
+
+    def build_chain(self, dim, num_merges):
+        c = self.config
+        return AttnResChain(dim, num_merges, self.block_size(num_merges), c.key_norm_affine, c.eps)
+
+    # ---- runtime
+    def start(self, chain, x):
+        v = x.to(compute_dtype(x))
+        return AttnResState((v,), (_rms(v, chain.eps),), None, 0)
+
+    def _read(self, chain, state, next_k, dtype):
+        h, _ = _pool(chain, next_k - 1, state)
+        return state, h.to(dtype)
+
+    def step(self, chain, k, state, u, next_k):
+        state = _advance(chain, k, state, u.to(compute_dtype(u)))
+        return self._read(chain, state, next_k, u.dtype)
+
+    def skip(self, chain, k, state, next_k):
+        """Ablation *(choice)*: the update is not added to any source (Full: no new source); block boundaries stay
+        where they are."""
+        dtype = state.blocks[0].dtype
+        return self._read(chain, _advance(chain, k, state, None), next_k, dtype)
+
+    def streams(self, chain, state):
+        """The current sources stacked ``(..., m, C)`` (diagnostics only: a copy)."""
+        return torch.stack(state.sources(), dim=-2) if isinstance(state, AttnResState) else state
+
+    def weights(self, chain, k: int, state: AttnResState, u: Tensor) -> Tensor:
+        """alpha ``(..., m)`` of site k: its query over the sources after merging ``u`` into ``state``."""
+        _, alpha = _pool(chain, k, _advance(chain, k, state, u.to(compute_dtype(u))))
+        return alpha
+
+    # ---- diagnostics
+    def make_stats(self, num_depths, model):
+        from ._stats import AttnResStats
+
+        sizes = [m.max_sources for m in model.modules() if isinstance(m, AttnResChain)]
+        return AttnResStats(num_depths, max(sizes) if sizes else num_depths + 1)
+
+    def observe(self, stats, depth, site, position, stream, update, state):
+        if not isinstance(state, AttnResState):
+            return
+        d = site.dim
+        u = update.detach()
+        if d != -1 and d != u.dim() - 1:
+            u = u.movedim(d, -1)
+        u = u.reshape(state.blocks[0].shape)
+        stats.update(depth, alpha=self.weights(site.chain_module, int(position), state, u))
+
+
+class BlockAttnResRule(AttnResRule):
+    Config = BlockAttnResConfig
+    description = "Block Attention Residuals: sub-layers read a softmax-weighted mix of block sums of updates"
+    chain_attr = "_resctl_attnres_block"
+
+    def validate(self, config):
+        super().validate(config)
+        check_int("block_size", config.block_size, 1, allow_none=True)
+        check_int("num_blocks", config.num_blocks, 1, allow_none=True)
+        if config.block_size is not None and config.num_blocks is not None:
+            raise ValueError(f"block_size and num_blocks are exclusive, got block_size={config.block_size!r} and "
+                             f"num_blocks={config.num_blocks!r}")
+
+    def block_size(self, num_merges):
+        c = self.config
+        if c.block_size is not None:
+            return c.block_size
+        if c.num_blocks is not None:
+            return math.ceil(num_merges / c.num_blocks)
+        return default_block_size(num_merges)
+
+    def summary(self):
+        c = self.config
+        if c.block_size is not None:
+            return f"block_size={c.block_size}"
+        return f"num_blocks={c.num_blocks}" if c.num_blocks is not None else "block_size=default"
