@@ -10,11 +10,11 @@ from torch import nn
 
 from lightning_resctl.memory import saved_tensor_bytes
 from lightning_resctl.rules import make_rule
-from lightning_resctl.rules.attnres import (AttnResChain, AttnResState, attnres_chain_reference,
-                                            attnres_pool_reference, attnres_sources_reference, default_block_size,
-                                            num_sources)
+from lightning_resctl.rules.attnres import (attnres_chain_reference, attnres_pool_reference,
+                                            attnres_sources_reference, default_block_size, num_sources)
 from lightning_resctl.surgery import patch_residuals
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+from test_rule_common import assert_runtime_matches_oracle
 from models import NanoGPT
 
 D = torch.float64
@@ -174,17 +174,8 @@ def test_runtime_matches_the_oracle_with_gradients(s):
     x = torch.randn(2, 3, C, generator=g, dtype=D, requires_grad=True)
     qs = [m.pool_query for m in chain.merges]
     gs = [m.key_norm_weight for m in chain.merges]
-    out_ref, hs_ref = attnres_chain_reference(x, branches, qs, gs, s)
-    grads_ref = torch.autograd.grad(out_ref.square().sum(), [x] + qs + gs)
-    state, h, hs = rule.start(chain, x), x, []
-    for k in range(K):
-        hs.append(h)
-        state, h = rule.step(chain, k, state, branches[k](h), k + 1)
-    for a, b in zip(hs + [h], hs_ref + [out_ref]):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    grads = torch.autograd.grad(h.square().sum(), [x] + qs + gs)
-    for a, b in zip(grads, grads_ref):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    grads = assert_runtime_matches_oracle(rule, chain, x, branches,
+                                          lambda: attnres_chain_reference(x, branches, qs, gs, s), qs + gs)
     assert all(gq.abs().sum() > 0 for gq in grads[1:K + 1])  # every query is used (DDP)
 
 

@@ -42,6 +42,23 @@ def randomize_new_parameters(model, report, std=0.3, seed=3):
             p.add_(torch.randn(p.shape, generator=g) * std)
 
 
+def assert_runtime_matches_oracle(rule, chain, x, branches, oracle, params):
+    """Drive ``rule``'s runtime over ``branches`` from ``x`` and compare every h, the output and the gradients of
+    ``[x] + params`` with ``oracle() -> (output, [h_0, ...])`` (fp64 tolerances)."""
+    out_ref, hs_ref = oracle()
+    grads_ref = torch.autograd.grad(out_ref.square().sum(), [x] + params)
+    state, h, hs = rule.start(chain, x), x, []
+    for k, f in enumerate(branches):
+        hs.append(h)
+        state, h = rule.step(chain, k, state, f(h), k + 1)
+    for a, b in zip(hs + [h], hs_ref + [out_ref]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(h.square().sum(), [x] + params)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    return grads
+
+
 def test_registered():
     assert set(RULES) <= set(merge_rules())
     for name in RULES:

@@ -13,6 +13,7 @@ from lightning_resctl.rules._common import frame_chain_reference, frame_write
 from lightning_resctl.rules.mhc_lite import MHCLiteLayer, mhc_lite_coefficients_reference, permutation_matrices
 from lightning_resctl.surgery import patch_residuals
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+from test_rule_common import assert_runtime_matches_oracle
 from models import NanoGPT
 
 D = torch.float64
@@ -162,17 +163,8 @@ def test_runtime_matches_the_oracle_with_gradients(init):
     branches = [lambda h, w=w: torch.tanh(h @ w) for w in ws]
     x = torch.randn(2, 3, C, generator=g, dtype=D, requires_grad=True)
     params = list(chain.parameters())
-    out_ref, hs_ref = frame_chain_reference(list(chain.merges), x, branches, "sum")
-    grads_ref = torch.autograd.grad(out_ref.square().sum(), [x] + params)
-    state, h, hs = rule.start(chain, x), x, []
-    for k in range(K):
-        hs.append(h)
-        state, h = rule.step(chain, k, state, branches[k](h), k + 1)
-    for a, b in zip(hs + [h], hs_ref + [out_ref]):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    grads = torch.autograd.grad(h.square().sum(), [x] + params)
-    for a, b in zip(grads, grads_ref):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert_runtime_matches_oracle(rule, chain, x, branches,
+                                  lambda: frame_chain_reference(list(chain.merges), x, branches, "sum"), params)
 
 
 def test_stream_limit():

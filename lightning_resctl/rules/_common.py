@@ -30,7 +30,7 @@ from .base import ChainRule, check_choice, check_finite, check_int
 
 __all__ = ["rms_norm", "compute_dtype", "RMS_EPS", "check_eps", "check_bool", "FrameState", "FrameChain",
            "FrameRule", "frame_read", "frame_write", "frame_reduce", "frame_step_reference",
-           "frame_chain_reference", "REDUCES"]
+           "frame_chain_reference", "gated_pre_post", "REDUCES"]
 
 REDUCES = ("sum", "mean")
 
@@ -91,6 +91,19 @@ def frame_write(streams: Tensor, res: Tensor, post: Tensor, u: Optional[Tensor])
         term = res[..., :, s].unsqueeze(-1) * streams[..., s, :].to(cd).unsqueeze(-2)
         acc = term if acc is None else acc + term
     return acc.to(streams.dtype)
+
+
+def gated_pre_post(m: Tensor, alpha: Tensor, bias: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The mHC / mHC-lite head of the projection ``m (..., 2n + r) = [pre | post | res]``::
+
+        z = m * (a_pre x n, a_post x n, a_res x r) + b;  pre = sigmoid(z[:n]);  post = 2 sigmoid(z[n:2n])
+
+    Returns ``(pre, post, res logits z[2n:])`` in ``m``'s dtype."""
+    a = alpha.to(m.dtype)
+    r = m.shape[-1] - 2 * n
+    scale = torch.cat([a[0:1].expand(n), a[1:2].expand(n), a[2:3].expand(r)])
+    z = m * scale + bias.to(m.dtype)
+    return torch.sigmoid(z[..., :n]), 2 * torch.sigmoid(z[..., n:2 * n]), z[..., 2 * n:]
 
 
 def frame_reduce(streams: Tensor, reduce: str) -> Tensor:

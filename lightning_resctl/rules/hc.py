@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ._common import FrameRule, check_bool, compute_dtype, rms_norm
+from ._common import FrameRule, check_bool, compute_dtype, gated_pre_post, rms_norm
 from .base import check_choice, check_int
 
 __all__ = ["HCConfig", "MHCConfig", "HCRule", "MHCRule", "HCLayer", "MHCLayer", "hc_coefficients_reference",
@@ -80,12 +80,8 @@ def mhc_coefficients_reference(streams: Tensor, phi: Tensor, bias: Tensor, alpha
     n = streams.shape[-2]
     xf = streams.to(cd).flatten(-2)
     m = (xf @ phi.to(cd)) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    a = alpha.to(cd)
-    scale = torch.cat([a[0:1].expand(n), a[1:2].expand(n), a[2:3].expand(n * n)])
-    z = m * scale + bias.to(cd)
-    pre = torch.sigmoid(z[..., :n])
-    post = 2 * torch.sigmoid(z[..., n:2 * n])
-    logits = z[..., 2 * n:].unflatten(-1, (n, n))
+    pre, post, logits = gated_pre_post(m, alpha, bias, n)
+    logits = logits.unflatten(-1, (n, n))
     if variant == "dsv4":
         return pre + hc_eps, sinkhorn_dsv4(logits, iters, hc_eps), post
     return pre, sinkhorn(logits, iters), post

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ._common import FrameRule, compute_dtype
+from ._common import FrameRule, compute_dtype, gated_pre_post
 from .base import check_choice
 from .hc import INITS, _pm_one
 
@@ -49,14 +49,8 @@ def mhc_lite_coefficients_reference(streams: Tensor, phi: Tensor, bias: Tensor, 
     n = streams.shape[-2]
     xf = streams.to(cd).flatten(-2)
     normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * (1 + gain.to(cd))
-    m = normed @ phi.to(cd)
-    a = alpha.to(cd)
-    nf = perms.shape[0]
-    scale = torch.cat([a[0:1].expand(n), a[1:2].expand(n), a[2:3].expand(nf)])
-    z = m * scale + bias.to(cd)
-    pre = torch.sigmoid(z[..., :n])
-    post = 2 * torch.sigmoid(z[..., n:2 * n])
-    w = torch.softmax(z[..., 2 * n:], dim=-1)
+    pre, post, logits = gated_pre_post(normed @ phi.to(cd), alpha, bias, n)
+    w = torch.softmax(logits, dim=-1)
     res = (w @ perms.to(cd).flatten(-2)).unflatten(-1, (n, n))
     return pre, res, post
 
