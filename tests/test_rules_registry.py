@@ -172,3 +172,25 @@ def test_a_chain_rule_must_build_a_chain():
             patch_residuals(_gpt(), method="toy-broken")
     finally:
         _REGISTRY.pop("toy-broken", None)
+
+
+_STREAM_FAMILIES = {"stream_rms", "update_rms", "update_ratio", "growth", "max_abs", "max_over_median",
+                    "stream_grad_rms", "param_grad_rms"}
+
+
+@pytest.mark.parametrize("method", merge_rules())
+def test_every_rule_logs_its_own_diagnostics_through_the_one_callback(method, tmp_path):
+    module = LitToy()
+    cb = ResidualControlCallback(method=method, log_every_n_steps=1, depth_images=False)
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[cb], default_root_dir=tmp_path)
+    trainer.fit(module, _loader())
+    prof = cb.depth_profile
+    assert len(prof["stream_rms"]) == 4 and all(v == v and v > 0 for v in prof["stream_rms"])
+    own = {k: v for k, v in prof.items() if k not in _STREAM_FAMILIES}
+    if method == "add":
+        assert own == {}
+    else:  # the rule's own families, finite where observed (gated families start after MGR's accumulation)
+        assert own, f"{method} logged no family of its own"
+        assert any(v == v for vals in own.values() for v in vals)
+        assert all(v != float("inf") for vals in own.values() for v in vals)

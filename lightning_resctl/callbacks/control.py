@@ -216,7 +216,7 @@ class ResidualControlCallback(Callback):
             rule = getattr(site, "rule", None)
             stats = self._stats_of.get(id(rule))
             if stats is not None:
-                rule.observe(stats, d, site, pos, s, u, None if streams is None else streams.detach())
+                rule.observe(stats, d, site, pos, s, u, getattr(site, "chain_state", None))
         if self._grad is not None and stream.requires_grad and torch.is_grad_enabled():
             stream.register_hook(functools.partial(self._grad_hook, d))
 

@@ -166,6 +166,12 @@ class MergeSite(nn.Module):
         return self._chain_module
 
     @property
+    def chain_state(self) -> Any:
+        """Chain rules: the chain's state entering the merge that runs now (for observers), else None."""
+        run = self._run
+        return None if run is None else run.state
+
+    @property
     def mgr_chain(self) -> Optional[nn.Module]:
         """Alias of :attr:`chain_module` (kept for MGR users)."""
         return self._chain_module
