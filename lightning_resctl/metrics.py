@@ -20,6 +20,7 @@ Families (``compute()`` returns ``{family: tensor (D,)}`` or ``(D, n)`` for per-
 * :class:`MGRStats` — gate beta per stream (``gate_mean``, ``gate_std``, ``gate_hist``: counts in
   ``hist_bins`` equal bins over [0, 1]), ``forget_mean``, ``pool_entropy`` (``-sum_i a_i log a_i`` of the pool weights, nats),
   per-stream ``stream_rms`` and ``angle`` (mean angle in radians between pairs of streams).
+  ``gate_families`` flags ``gate_hist`` as gates in [0, 1]; ``notes()`` explains where the families start.
 * :class:`GradStats` — ``stream_grad_rms`` (RMS of d loss / d stream at merge d) and
   ``param_grad_rms`` (RMS over all gradient entries of the parameters of merge d's branch).
 """
@@ -196,6 +197,18 @@ class MGRStats(_DepthMetric):
     """
 
     family_prefix = "mgr_"
+    #: histogram families whose values are gates in [0, 1] (the callbacks' ``summary/gate_saturation``)
+    gate_families = ("gate_hist",)
+
+    def notes(self) -> list[str]:
+        """How to read these families (the callbacks show it next to the charts)."""
+        n = self.streams
+        return [
+            f"gate families (`mgr_gate_*`, `mgr_forget_mean`) and gate histograms start at depth n-1 = {n - 1} of "
+            f"each chain: the first n-1 merges fill the {n} streams (MGR's accumulation phase) and have no gate.",
+            "`mgr_angle` is the mean angle (radians) between pairs of streams: near 0 means the streams collapsed "
+            "into one.",
+        ]
 
     def __init__(self, num_depths: int, streams: int, hist_bins: int = 20, **kwargs) -> None:
         super().__init__(num_depths, **kwargs)

@@ -151,3 +151,25 @@ def test_plots_render_chw_uint8():
         curves_figure({"a": ([0, 1], [1.0])})
     with pytest.raises(TypeError, match="Figure"):
         figure_to_array("nope")
+
+
+def test_heatmap_fixed_log_range_does_not_follow_the_data():
+    a = heatmap_figure(np.array([[1.0, 2.0], [3.0, 4.0]]), vmin=1e-2, vmax=1e2, log=True)
+    b = heatmap_figure(np.array([[100.0, 200.0], [0.5, 0.7]]), vmin=1e-2, vmax=1e2, log=True)
+    for fig in (a, b):
+        norm = fig.axes[0].images[0].norm
+        assert (norm.vmin, norm.vmax) == (1e-2, 1e2) and type(norm).__name__ == "LogNorm"
+    with pytest.raises(ValueError, match="vmin"):
+        heatmap_figure(np.ones((2, 2)), vmin=0.0, vmax=1.0, log=True)
+
+
+def test_curves_kinds_marker_and_legend():
+    fig = curves_figure({"rms": ([0, 1, 2, 3], [1.0, 2.0, 3.0, 4.0])}, kinds=["attn", "mlp", "attn", "mlp"])
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["rms", "attn merge", "mlp merge"]
+    markers = {tuple(l.get_xdata()): l.get_marker() for l in fig.axes[0].lines if len(l.get_xdata())}
+    assert markers[(0, 2)] == "o" and markers[(1, 3)] == "s"
+    plain = curves_figure({"rms": ([0, 1], [1.0, 2.0])}, kinds=["", ""])
+    assert [t.get_text() for t in plain.axes[0].get_legend().get_texts()] == ["rms"]
+    with pytest.raises(ValueError, match="kinds"):
+        curves_figure({"rms": ([0, 1], [1.0, 2.0])}, kinds=["attn"])
