@@ -147,7 +147,7 @@ class _ObserverProbe(L.Callback):
 
 def test_observe_unpatched_model_values_tags_layout_images(tmp_path):
     module = LitGPT()
-    cb = ResidualControlCallback(log_every_n_steps=2)
+    cb = ResidualControlCallback(per_depth="all", log_every_n_steps=2)
     probe = _ObserverProbe()
     trainer = _trainer(tmp_path, [cb, probe], max_steps=4, max_epochs=2, limit_train_batches=2,
                        limit_val_batches=1)
@@ -193,7 +193,7 @@ def test_first_step_values_equal_independent_hooks(tmp_path):
     module = LitGPT()
     reference = copy.deepcopy(module.model)
     ref_stream, ref_update, ref_sgrad, ref_pgrad = _reference_stats(reference, next(iter(_loader())))
-    cb = ResidualControlCallback(log_every_n_steps=1, depth_images=False)
+    cb = ResidualControlCallback(per_depth="all", log_every_n_steps=1, depth_images=False)
     _trainer(tmp_path, [cb], max_steps=1).fit(module, _loader())
     sc = _scalars(tmp_path / "run" / "version_0")
     for d in range(4):
@@ -233,7 +233,7 @@ class CapNet(L.LightningModule):
 def test_rescontroller_cap_fraction(tmp_path):
     x = torch.cat([0.01 * torch.randn(8, 16), 100.0 * torch.randn(8, 16)])
     loader = DataLoader(TensorDataset(x), batch_size=8, shuffle=False)
-    cb = ResidualControlCallback(method="rescontroller", log_every_n_steps=1)
+    cb = ResidualControlCallback(per_depth="all", method="rescontroller", log_every_n_steps=1)
     module = CapNet()
     _trainer(tmp_path, [cb], max_steps=2).fit(module, loader)
     assert get_patch_report(module) is not None  # method given: stays patched
@@ -246,7 +246,7 @@ def test_rescontroller_cap_fraction(tmp_path):
 
 
 def test_mgr_gate_families_and_histograms(tmp_path):
-    cb = ResidualControlCallback(method="mgr", log_every_n_steps=1, streams=2)
+    cb = ResidualControlCallback(per_depth="all", method="mgr", log_every_n_steps=1, streams=2)
     module = LitGPT()
     _trainer(tmp_path, [cb], max_steps=2).fit(module, _loader())
     logdir = tmp_path / "run" / "version_0"
@@ -268,7 +268,7 @@ def test_mgr_gate_families_and_histograms(tmp_path):
 
 
 def test_logger_without_images_gets_scalars(tmp_path):
-    cb = ResidualControlCallback(log_every_n_steps=1)
+    cb = ResidualControlCallback(per_depth="all", log_every_n_steps=1)
     logger = CSVLogger(str(tmp_path), name="csv", version=0)
     _trainer(tmp_path, [cb], logger=logger, max_steps=2, limit_val_batches=1, max_epochs=1,
              limit_train_batches=2).fit(LitGPT(), _loader(), _loader(n=4))
@@ -280,7 +280,7 @@ def test_logger_without_images_gets_scalars(tmp_path):
 
 
 def test_ablation_matches_manual_skip(tmp_path):
-    ctrl = ResidualControlCallback(method="add", log_every_n_steps=1, depth_images=False)
+    ctrl = ResidualControlCallback(per_depth="all", method="add", log_every_n_steps=1, depth_images=False)
     abl = ResidualAblationCallback(every_n_epochs=1, max_batches=2)
     module = LitGPT()
     val = _loader(n=12, batch=4, seed=5)
@@ -316,7 +316,7 @@ def test_swa_listed_before_and_after(tmp_path):
 
     for order in ("before", "after"):
         swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
-        cb = ResidualControlCallback(method="mgr", log_every_n_steps=1, depth_images=False, streams=2)
+        cb = ResidualControlCallback(per_depth="all", method="mgr", log_every_n_steps=1, depth_images=False, streams=2)
         module = LitGPT()
         cbs = [swa, cb] if order == "before" else [cb, swa]
         _trainer(tmp_path / order, cbs, max_steps=-1, max_epochs=2, limit_train_batches=2).fit(module, _loader())
@@ -331,7 +331,7 @@ def test_swa_listed_before_and_after(tmp_path):
 
 
 def test_model_built_in_configure_model(tmp_path):
-    cb = ResidualControlCallback(method="mgr", log_every_n_steps=1, depth_images=False, streams=2)
+    cb = ResidualControlCallback(per_depth="all", method="mgr", log_every_n_steps=1, depth_images=False, streams=2)
     module = BuildInConfigure()
     trainer = _trainer(tmp_path, [cb], max_steps=2)
     trainer.fit(module, _loader())
@@ -345,7 +345,7 @@ def test_model_built_in_configure_model(tmp_path):
 
 
 def test_checkpoint_resume_restores_patched_weights(tmp_path):
-    cb = ResidualControlCallback(method="mgr", log_every_n_steps=1, depth_images=False, streams=2)
+    cb = ResidualControlCallback(per_depth="all", method="mgr", log_every_n_steps=1, depth_images=False, streams=2)
     module = LitGPT()
     trainer = _trainer(tmp_path, [cb], max_steps=2)
     trainer.fit(module, _loader())
@@ -360,7 +360,7 @@ def test_checkpoint_resume_restores_patched_weights(tmp_path):
 
     grab = Grab()
     torch.manual_seed(99)  # a different init: restore must overwrite every weight, MGR ones included
-    cb2 = ResidualControlCallback(method="mgr", log_every_n_steps=1, depth_images=False, streams=2)
+    cb2 = ResidualControlCallback(per_depth="all", method="mgr", log_every_n_steps=1, depth_images=False, streams=2)
     _trainer(tmp_path, [cb2, grab], name="resume", max_steps=3).fit(LitGPT(), _loader(), ckpt_path=str(ckpt))
     assert list(grab.state) == list(saved)
     for k, v in saved.items():
@@ -371,11 +371,11 @@ def test_checkpoint_resume_restores_patched_weights(tmp_path):
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="method"):
-        ResidualControlCallback(method="relu")
+        ResidualControlCallback(per_depth="all", method="relu")
     with pytest.raises(ValueError, match="log_every_n_steps"):
-        ResidualControlCallback(log_every_n_steps=0)
+        ResidualControlCallback(per_depth="all", log_every_n_steps=0)
     with pytest.raises(ValueError, match="without a method"):
-        ResidualControlCallback(streams=4)
+        ResidualControlCallback(per_depth="all", streams=4)
     with pytest.raises(ValueError, match="every_n_epochs"):
         ResidualAblationCallback(every_n_epochs=0)
     with pytest.raises(TypeError, match="loss_fn"):
@@ -388,7 +388,7 @@ def test_gradient_accumulation_observes_all_micro_batches(tmp_path):
     b0, b1 = list(_loader())[:2]
     union = (torch.cat([b0[0], b1[0]]), torch.cat([b0[1], b1[1]]))
     ref_stream, ref_update, ref_sgrad, ref_pgrad = _reference_stats(reference, union)
-    cb = ResidualControlCallback(log_every_n_steps=1, depth_images=False)
+    cb = ResidualControlCallback(per_depth="all", log_every_n_steps=1, depth_images=False)
     _trainer(tmp_path, [cb], max_steps=1, accumulate_grad_batches=2).fit(module, _loader())
     sc = _scalars(tmp_path / "run" / "version_0")
     assert {s for (t, s) in sc if t.startswith("resctl/")} == {0}
@@ -431,7 +431,7 @@ def test_loop_model_positions_values_and_ablation(tmp_path):
     data = TensorDataset(torch.randn(8, 5, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
     module = LitBranchy()
     reference = copy.deepcopy(module.model)
-    cb = ResidualControlCallback(log_every_n_steps=1, depth_images=False)
+    cb = ResidualControlCallback(per_depth="all", log_every_n_steps=1, depth_images=False)
     abl = ResidualAblationCallback(max_batches=2)
     _trainer(tmp_path, [cb, abl], max_epochs=1, max_steps=-1, limit_train_batches=1, limit_val_batches=2).fit(
         module, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))

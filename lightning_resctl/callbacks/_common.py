@@ -1,6 +1,7 @@
 """Shared plumbing of the diagnostics callbacks: finding/patching merge sites, tags, logger output."""
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from collections.abc import Mapping
@@ -9,6 +10,23 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+#: the package's logger; shown on stderr like Lightning's own messages when nothing configured logging.
+log = logging.getLogger("lightning_resctl")
+if log.level == logging.NOTSET:
+    log.setLevel(logging.INFO)
+
+
+def rank_zero_line(msg: str) -> None:
+    """Log ``msg`` (INFO, logger ``lightning_resctl``) on global rank zero only."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    if getattr(rank_zero_only, "rank", 0) != 0:
+        return
+    if not log.handlers and not logging.getLogger().handlers:  # nothing configured logging: stderr
+        log.addHandler(logging.StreamHandler())
+    log.info(msg)
+
 
 def check_method(method: Any, options: Mapping[str, Any] | None = None) -> str | None:
     """``method`` must be None or a registered merge rule, and ``options`` valid options of it: checked when a
@@ -122,18 +140,40 @@ def depth_tag(index: int, num: int) -> str:
     return f"{index:0{max(2, len(str(num - 1)))}d}"
 
 
-def scalar_tags(prefix: str, values: Mapping[str, torch.Tensor], num_depths: int) -> dict[str, float]:
-    """``{family: (D,) or (D, n)}`` -> ``{f"{prefix}/{family}/{dd}": v}``; per-stream families get ``_s{i}``
-    appended to the family name; NaN entries (nothing observed) are dropped."""
+def check_per_depth(per_depth: Any) -> Any:
+    """``"few"``, ``"all"`` or a non-empty list of depth indices (ints >= 0)."""
+    if per_depth in ("few", "all"):
+        return per_depth
+    if isinstance(per_depth, (list, tuple)) and per_depth and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in per_depth
+    ):
+        return sorted(set(per_depth))
+    raise ValueError(f"per_depth must be 'few', 'all' or a list of depth indices, got {per_depth!r}")
+
+
+def chosen_depths(per_depth: Any, num_depths: int) -> list[int]:
+    """The depths that get per-depth scalars: all, first/middle/last ("few"), or the listed ones that exist."""
+    if per_depth == "all":
+        return list(range(num_depths))
+    if per_depth == "few":
+        return sorted({0, num_depths // 2, num_depths - 1})
+    return [d for d in per_depth if d < num_depths]
+
+
+def scalar_tags(prefix: str, values: Mapping[str, torch.Tensor], num_depths: int,
+                depths: list[int] | None = None) -> dict[str, float]:
+    """``{family: (D,) or (D, n)}`` -> ``{f"{prefix}/{family}/{dd}": v}`` for ``depths`` (default: all);
+    per-stream families get ``_s{i}`` appended to the family name; NaN entries (nothing observed) are dropped."""
+    keep = range(num_depths) if depths is None else depths
     out: dict[str, float] = {}
     for family, t in values.items():
         t = t.detach().double().cpu()
-        if t.dim() == 1:
-            for d, v in enumerate(t.tolist()):
+        for d in keep:
+            if t.dim() == 1:
+                v = float(t[d])
                 if v == v:
-                    out[f"{prefix}/{family}/{depth_tag(d, num_depths)}"] = float(v)
-        else:
-            for d in range(t.shape[0]):
+                    out[f"{prefix}/{family}/{depth_tag(d, num_depths)}"] = v
+            else:
                 for i, v in enumerate(t[d].tolist()):
                     if v == v:
                         out[f"{prefix}/{family}_s{i}/{depth_tag(d, num_depths)}"] = float(v)
@@ -144,7 +184,7 @@ def families_of(tags: Mapping[str, float], prefix: str) -> list[str]:
     fams = []
     for tag in tags:
         fam = tag[len(prefix) + 1 :].rsplit("/", 1)[0]
-        if fam not in fams:
+        if fam not in fams and not fam.startswith("summary"):
             fams.append(fam)
     return fams
 
@@ -177,14 +217,60 @@ def log_scalars(trainer: Any, metrics: Mapping[str, float], step: int) -> None:
             logger.log_metrics(dict(metrics), step=step)
 
 
-def add_custom_scalars(trainer: Any, prefix: str, families: list[str], category: str | None = None) -> None:
-    """One Multiline chart per family, matching all its depth tags (``prefix/family/\\d+``)."""
-    layout = {
-        category or prefix: {fam: ["Multiline", [f"^{re.escape(prefix)}/{re.escape(fam)}/\\d+$"]] for fam in families}
-    }
+def add_custom_scalars(trainer: Any, prefix: str, families: list[str], category: str | None = None,
+                       depth_tags: list[str] | None = None, summary: list[str] | None = None) -> None:
+    """A custom-scalars layout: one chart per summary scalar (category ``"<prefix> summary"``), then one
+    Multiline chart per family matching its depth tags — every depth (``prefix/family/\\d+``) when
+    ``depth_tags`` is None, else exactly those depths (few lines, each named by its tag)."""
+    layout: dict[str, dict[str, list]] = {}
+    if summary:
+        layout[f"{prefix} summary"] = {name: ["Multiline", [f"^{re.escape(prefix)}/summary/{re.escape(name)}$"]]
+                                        for name in summary}
+    charts = {}
+    for fam in families:
+        if depth_tags is None:
+            charts[fam] = ["Multiline", [f"^{re.escape(prefix)}/{re.escape(fam)}/\\d+$"]]
+        else:
+            charts[fam] = ["Multiline", [f"^{re.escape(prefix)}/{re.escape(fam)}/{dd}$" for dd in depth_tags]]
+    layout[category or prefix] = charts
     for exp in tensorboard_writers(trainer):
         if hasattr(exp, "add_custom_scalars"):
             exp.add_custom_scalars(layout)
+
+
+def add_text(trainer: Any, tag: str, text: str, step: int = 0) -> None:
+    for exp in tensorboard_writers(trainer):
+        if hasattr(exp, "add_text"):
+            exp.add_text(tag, text, global_step=step)
+
+
+def figure_dir(trainer: Any, dirpath: str | None) -> str | None:
+    """Where figures go as PNG files: ``dirpath`` if given, else ``<trainer.log_dir>/resctl_figures`` when the
+    trainer has loggers but none takes images; None when TensorBoard takes them (or there is no logger)."""
+    if dirpath is not None:
+        return dirpath
+    if not getattr(trainer, "loggers", None) or tensorboard_writers(trainer):
+        return None
+    import os
+
+    base = getattr(trainer, "log_dir", None) or getattr(trainer, "default_root_dir", ".")
+    return os.path.join(base, "resctl_figures")
+
+
+def emit_figure(trainer: Any, prefix: str, tag: str, fig: Any, step: int, dirpath: str | None = None) -> None:
+    """A matplotlib figure as a TensorBoard image ``f"{prefix}/{tag}"`` and/or a PNG file
+    ``<dir>/<tag with '/' -> '_'>_step<step>.png`` (see :func:`figure_dir`); rank zero only."""
+    from ..plots import figure_to_array
+
+    png_dir = figure_dir(trainer, dirpath)
+    writers = tensorboard_writers(trainer)
+    if writers:
+        add_image(trainer, f"{prefix}/{tag}", figure_to_array(fig, close=False), step)
+    if png_dir is not None:
+        import os
+
+        os.makedirs(png_dir, exist_ok=True)
+        fig.savefig(os.path.join(png_dir, f"{tag.replace('/', '_')}_step{int(step):06d}.png"))
 
 
 def add_image(trainer: Any, tag: str, array: np.ndarray, step: int) -> None:

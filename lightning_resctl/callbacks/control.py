@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import functools
+import math
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from ..metrics import GradStats, StreamStats
 from . import _common as C
+from .patcher import ResidualPatcher, merge_options
 
 __all__ = ["ResidualControlCallback"]
 
@@ -22,24 +24,46 @@ class ResidualControlCallback(Callback):
     """Patch the residual merges of the LightningModule (``method``) and log per-depth diagnostics.
 
     Args:
-        method: ``None`` only observes (a model patched by hand is observed as is; an unpatched model is
-            patched with ``"add"`` — plain additions, outputs bitwise unchanged — to find its merges, and
-            unpatched again at teardown); ``"rescontroller"``, ``"mgr"`` or ``"add"`` patch in ``setup``
-            (after ``configure_model`` when the module overrides it), before optimizers and wrapping.
+        method: ``None`` only observes (a model patched by hand or by another callback is observed as is; an
+            unpatched model is patched with ``"add"`` — plain additions, outputs bitwise unchanged — to find its
+            merges, and unpatched again at teardown); a registered merge rule (``lightning_resctl.merge_rules()``)
+            patches in ``setup`` (after ``configure_model`` when the module overrides it), before optimizers and
+            wrapping. The patch is owned by a :class:`~lightning_resctl.callbacks.patcher.ResidualPatcher`
+            (:attr:`patcher`); when it patches, one line is logged on rank zero (merges, rule, added parameters;
+            the full report is ``lightning_resctl.get_patch_report(model)``).
         log_every_n_steps: log every N optimizer steps (default: the Trainer's ``log_every_n_steps``);
             the same steps as Lightning's own logging. Other steps run no probe at all.
-        histograms: write MGR gate histograms (loggers with ``add_histogram_raw``, e.g. TensorBoard).
-        depth_images: write depth-profile images at validation end (curves vs depth, depth x step map).
+        histograms: write gate histograms (loggers with ``add_histogram_raw``, e.g. TensorBoard; other loggers
+            get a PNG figure of them at validation end).
+        depth_images: write depth-profile figures at validation end (curves vs depth, depth x step maps):
+            TensorBoard images, or PNG files (see ``dirpath``) for loggers that cannot take images.
+        options: options of the merge rule, e.g. ``{"streams": 4}`` — the form LightningCLI / YAML configs use.
+            Unknown options and invalid values raise here, on construction.
+        per_depth: which depths get per-depth scalars: ``"few"`` (default: first, middle and last merge),
+            ``"all"``, or a list of depth indices. The summary scalars always cover every depth.
+        alert_growth: warn once per run (rank zero) when the stream RMS at a chain's last merge exceeds this
+            multiple of the chain start (``None``: never).
+        alert_max_over_median: warn once per run when max|x| / median|x| of a stream exceeds this (``None``: never).
+        heatmap_ranges: fixed colour range per heat-map family (log scale), overriding
+            :data:`lightning_resctl.plots.HEATMAP_RANGES`, so heat maps of different runs compare by colour.
+        dirpath: write figures as PNG files here (default: ``<trainer.log_dir>/resctl_figures`` when no logger
+            takes images). With no logger and no ``dirpath`` there is nowhere to write: the callback warns,
+            still patches (``method``), and runs no probe.
         grad_stats: record gradient RMS of the stream at each merge (tensor hook) and of the branch parameters.
         example_input, include, exclude: passed to :func:`patch_residuals`.
         prefix: tag prefix (``f"{prefix}/{family}/{depth:02d}"``).
-        **method_options: options of the merge rule (e.g. ``streams=4`` for MGR).
+        **method_options: the Python form of ``options`` (``streams=4``); an option may not be given both ways.
 
     Per depth d (merge index, ordered by chain then position, as in ``merge_sites(model)``) the families of
     :mod:`lightning_resctl.metrics` are computed over the logging step's batch(es), reduced over ranks
-    and logged by rank zero through ``Logger.log_metrics``; TensorBoard also gets a custom-scalars layout
-    (one chart per family, all depths), gate histograms and images. After fit, :attr:`depth_profile`
-    holds the last logged values ``{family: [value per depth]}`` (NaN where not observed).
+    and logged by rank zero through ``Logger.log_metrics``. Every logging step also logs the health summary
+    ``f"{prefix}/summary/..."``: ``growth_last`` (stream RMS at each chain's last merge over its start; the
+    largest), ``update_ratio_max``, ``max_over_median_max`` and, for rules with gates, ``gate_saturation``
+    (fraction of gate values within one histogram bin of 0 or 1). TensorBoard also gets a custom-scalars
+    layout (the summary; one chart per family with the chosen depths), gate histograms, images and a text
+    ``f"{prefix}/about"`` (depth -> module, branch kind, source line; the rule's notes). After fit,
+    :attr:`depth_profile` holds the last logged values ``{family: [value per depth]}`` (NaN where not
+    observed) and :attr:`depth_labels` the depth labels (``"07 mlp"``).
 
     Notes:
         * A logging step observes every micro-batch of the optimizer step (gradient accumulation) and is
@@ -62,6 +86,12 @@ class ResidualControlCallback(Callback):
         histograms: bool = True,
         depth_images: bool = True,
         *,
+        options: dict[str, Any] | None = None,
+        per_depth: Literal["few", "all"] | list[int] = "few",
+        alert_growth: float | None = 100.0,
+        alert_max_over_median: float | None = 1000.0,
+        heatmap_ranges: dict[str, tuple[float, float]] | None = None,
+        dirpath: str | None = None,
         grad_stats: bool = True,
         example_input: Any = None,
         include: Any = None,
@@ -70,28 +100,45 @@ class ResidualControlCallback(Callback):
         **method_options: Any,
     ) -> None:
         super().__init__()
-        self.method = C.check_method(method, method_options)
+        self.patcher = ResidualPatcher(method, merge_options(options, method_options), example_input=example_input,
+                                       include=include, exclude=exclude)
         if log_every_n_steps is not None and (
             not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1
         ):
             raise ValueError(f"log_every_n_steps must be a positive int or None, got {log_every_n_steps!r}")
         if not isinstance(prefix, str) or not prefix or "/" in prefix:
             raise ValueError(f"prefix must be a non-empty string without '/', got {prefix!r}")
+        self.per_depth = C.check_per_depth(per_depth)
+        for name, value in (("alert_growth", alert_growth), ("alert_max_over_median", alert_max_over_median)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+        from ..plots import HEATMAP_RANGES
+
+        self.heatmap_ranges = {**HEATMAP_RANGES, **{k: tuple(v) for k, v in (heatmap_ranges or {}).items()}}
+        for fam, rng in self.heatmap_ranges.items():
+            if len(rng) != 2 or not 0 < rng[0] < rng[1]:
+                raise ValueError(f"heatmap_ranges[{fam!r}] must be (vmin, vmax) with 0 < vmin < vmax, got {rng!r}")
+        self.alert_growth = alert_growth
+        self.alert_max_over_median = alert_max_over_median
+        self.dirpath = dirpath
         self.log_every_n_steps = log_every_n_steps
         self.histograms = bool(histograms)
         self.depth_images = bool(depth_images)
         self.grad_stats = bool(grad_stats)
         self.prefix = prefix
-        self._patch_kwargs = dict(
-            example_input=example_input, include=include, exclude=exclude, method_options=method_options
-        )
         self.depth_profile: dict[str, list[float]] = {}
+        self.depth_labels: list[str] = []
         self.history: list[tuple[int, dict[str, list[float]]]] = []
-        self._owns_patch = False
-        self._wrapped_configure = False
+        self._enabled = True
+        self._alerted: set[str] = set()
         self._module: nn.Module | None = None
         self._sites: list = []
         self._reset_runtime()
+
+    @property
+    def method(self) -> str | None:
+        """The merge rule this callback patches with (None: observe only)."""
+        return self.patcher.method
 
     # ------------------------------------------------------------------ patching
     def _reset_runtime(self) -> None:
@@ -108,7 +155,7 @@ class ResidualControlCallback(Callback):
         self._owner_of_site: dict[int, int] = {}
         self._branch_modules: dict[int, set] = {}
         self._logging_now = False
-        self._stepped_at_start = 0
+        self._last_hists: list = []
         self._layout_written = False
 
     def patch(self, pl_module: nn.Module, model: nn.Module | None = None) -> bool:
@@ -117,41 +164,25 @@ class ResidualControlCallback(Callback):
 
         This is what :func:`patch_in_configure_model` calls between building and ``fully_shard``.
         """
-        target = pl_module if model is None else model
-        if model is not None and model is not pl_module and C._surgery().merge_sites(pl_module):
-            return False
-        patched = C.ensure_patched(target, self.method, example_from=pl_module, **self._patch_kwargs)
-        self._owns_patch = self._owns_patch or (patched and self.method is None)
-        return patched
+        return self.patcher.patch(pl_module, model)
 
     def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
         self._module = pl_module
-        if is_overridden("configure_model", pl_module) and not self._wrapped_configure:
-            original = pl_module.configure_model
-
-            @functools.wraps(original)
-            def configure_model_then_patch(*args: Any, **kwargs: Any) -> Any:
-                out = original(*args, **kwargs)
-                self.patch(pl_module)
-                C.patch_copies(trainer, pl_module, self.method, **self._patch_kwargs)
-                return out
-
-            pl_module.configure_model = configure_model_then_patch
-            self._wrapped_configure = True
-        else:
-            self.patch(pl_module)
-            C.patch_copies(trainer, pl_module, self.method, **self._patch_kwargs)
+        self._enabled = bool(getattr(trainer, "loggers", None)) or self.dirpath is not None
+        if not self._enabled:
+            rank_zero_warn(
+                f"{type(self).__name__}: the Trainer has no logger and no dirpath= was given, so there is nowhere "
+                "to write diagnostics: no probe will run"
+                + (f" (the {self.method!r} patch is applied)" if self.method else "")
+                + ". Pass a logger (e.g. TensorBoardLogger) or dirpath= to record them."
+            )
+            if self.method is None:
+                return  # nothing to observe, nothing to patch
+        self.patcher.setup(trainer, pl_module)
 
     def teardown(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
         self._clear_observers()
-        if self._wrapped_configure and "configure_model" in vars(pl_module):
-            del pl_module.configure_model
-        self._wrapped_configure = False
-        if self._owns_patch:
-            from lightning_resctl.surgery import unpatch_residuals
-
-            unpatch_residuals(pl_module)
-            self._owns_patch = False
+        self.patcher.teardown(pl_module)
         self._sites = []
         self._reset_runtime()
 
@@ -186,7 +217,45 @@ class ResidualControlCallback(Callback):
         return [m for m in (self._stream, *(st for _, st in self._rule_stats), self._grad) if m is not None]
 
     def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        self._alerted = set()
+        if not self._enabled:
+            self._reset_runtime()
+            self._sites = []
+            return
         self._build(pl_module)
+        self.depth_labels = [
+            f"{C.depth_tag(d, len(self._entries))} {getattr(s, 'branch', '') or ''}".strip()
+            for d, (s, _) in enumerate(self._entries)
+        ]
+        if self._entries and trainer.is_global_zero:
+            C.add_text(trainer, f"{self.prefix}/about", self._about_text(), 0)
+
+    def _about_text(self) -> str:
+        """Markdown for TensorBoard's text tab: what the depths are and how to read the charts."""
+        D = len(self._entries)
+        few = C.chosen_depths(self.per_depth, D)
+        lines = [
+            f"**{self.prefix}**: {D} residual merges"
+            + (f", patched with `{self.method}`" if self.method else " (observed)")
+            + f". Depth d = merge index (chain, then position). Per-depth scalars for depths {few}"
+            + ("" if self.per_depth == "all" else " (per_depth='all' logs every depth)")
+            + f"; the summary scalars `{self.prefix}/summary/*` cover all depths.",
+            "",
+            "| depth | chain | position | branch | module | source |",
+            "|---|---|---|---|---|---|",
+        ]
+        for d, (site, pos) in enumerate(self._entries):
+            src = (getattr(site, "source_line", "") or "").replace("|", "\\|")
+            lines.append(f"| {C.depth_tag(d, D)} | {getattr(site, 'chain', 0)} | {pos} | "
+                         f"{getattr(site, 'branch', '') or '-'} | `{getattr(site, 'path', '') or 'root'}` | `{src}` |")
+        notes = []
+        for rule, stats in self._rule_stats:
+            note = getattr(stats, "notes", None)
+            note = note() if callable(note) else note
+            for n in ([note] if isinstance(note, str) else list(note or [])):
+                notes.append(f"* `{rule.name}`: {n}")
+        notes.append(f"* Heat maps use fixed log colour ranges {self.heatmap_ranges} (same colours across runs).")
+        return "\n".join(lines + ["", "Notes:", "", *notes])
 
     # ------------------------------------------------------------------ probes
     def _every(self, trainer: Any) -> int:
@@ -337,23 +406,28 @@ class ResidualControlCallback(Callback):
     # ------------------------------------------------------------------ output
     def _flush(self, trainer: Any, step: int) -> None:
         values: dict[str, torch.Tensor] = {}
+        gate_counts: list[torch.Tensor] = []
+        hists: list = []
+        D = len(self._entries)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*before the ``update`` method.*")
-            D = len(self._entries)
-            hists: list = []
             for metric in self._metrics():
                 out = dict(metric.compute())  # reduced over ranks
                 fam_prefix = getattr(metric, "family_prefix", "")
+                gates = set(getattr(metric, "gate_families", ()))
                 for k, v in out.items():
                     # torchmetrics squeezes one-element results: restore (D,) / (D, n) / (D, n, bins)
                     if k.endswith("_hist"):
-                        if self.histograms:
-                            hists.append((fam_prefix + k, v.reshape(D, -1, metric.hist_bins), metric.histogram_edges()))
+                        h = v.reshape(D, -1, metric.hist_bins)
+                        if k in gates:
+                            gate_counts.append(h)
+                        hists.append((fam_prefix + k, h, metric.histogram_edges()))
                     else:
                         values[fam_prefix + k] = v.reshape(D) if v.numel() == D else v.reshape(D, -1)
                 metric.reset()
-        D = len(self._entries)
-        tags = C.scalar_tags(self.prefix, values, D)
+        summary = self._summary(values, gate_counts)
+        tags = C.scalar_tags(self.prefix, values, D, C.chosen_depths(self.per_depth, D))
+        tags.update({f"{self.prefix}/summary/{k}": v for k, v in summary.items()})
         profile = {}
         for fam, t in values.items():
             t = t.detach().double().cpu()
@@ -363,46 +437,137 @@ class ResidualControlCallback(Callback):
                 for i in range(t.shape[1]):
                     profile[f"{fam}_s{i}"] = t[:, i].tolist()
         self.depth_profile = profile
-        self.history.append((int(step), {k: profile[k] for k in ("stream_rms", "update_ratio") if k in profile}))
+        self.history.append((int(step), {k: profile[k] for k in self.heatmap_ranges if k in profile}))
+        self._last_hists = hists
         if not trainer.is_global_zero:
             return
+        self._alert(summary, step)
         if not self._layout_written:
-            C.add_custom_scalars(trainer, self.prefix, C.families_of(tags, self.prefix))
+            depth_tags = None if self.per_depth == "all" else [
+                C.depth_tag(d, D) for d in C.chosen_depths(self.per_depth, D)]
+            C.add_custom_scalars(trainer, self.prefix, C.families_of(tags, self.prefix), depth_tags=depth_tags,
+                                 summary=list(summary))
             self._layout_written = True
         C.log_scalars(trainer, tags, step)
-        for fam, hist, edges in hists:
-            for d in range(hist.shape[0]):
-                for i in range(hist.shape[1]):
-                    C.add_histogram_raw(trainer, f"{self.prefix}/{fam}_s{i}/{C.depth_tag(d, D)}", hist[d, i], edges, step)
+        if self.histograms:
+            for fam, hist, edges in hists:
+                for d in range(hist.shape[0]):
+                    for i in range(hist.shape[1]):
+                        C.add_histogram_raw(trainer, f"{self.prefix}/{fam}_s{i}/{C.depth_tag(d, D)}", hist[d, i],
+                                            edges, step)
+
+    def _summary(self, values: dict[str, torch.Tensor], gate_counts: list[torch.Tensor]) -> dict[str, float]:
+        """The health scalars (see the class docstring); entries with nothing observed are left out."""
+        out: dict[str, float] = {}
+
+        def nanmax(t: torch.Tensor) -> float | None:
+            t = t.detach().double().flatten()
+            t = t[~torch.isnan(t)]
+            return float(t.max()) if t.numel() else None
+
+        growth = values.get("growth")
+        if growth is not None:
+            last: dict[Any, int] = {}
+            for d, (s, _) in enumerate(self._entries):
+                last[getattr(s, "chain", 0)] = d
+            v = nanmax(growth.detach().double().cpu()[list(last.values())])
+            if v is not None:
+                out["growth_last"] = v
+        for fam, name in (("update_ratio", "update_ratio_max"), ("max_over_median", "max_over_median_max")):
+            if fam in values:
+                v = nanmax(values[fam])
+                if v is not None:
+                    out[name] = v
+        if gate_counts:
+            sat = total = 0.0
+            for h in gate_counts:
+                h = h.detach().double().cpu()
+                sat += float(h[..., 0].sum() + h[..., -1].sum())
+                total += float(h.sum())
+            if total > 0:
+                out["gate_saturation"] = sat / total
+        return out
+
+    def _alert(self, summary: dict[str, float], step: int) -> None:
+        checks = (
+            ("growth_last", self.alert_growth, "alert_growth",
+             "the stream RMS at the last merge is {v:.3g}x the chain start"),
+            ("max_over_median_max", self.alert_max_over_median, "alert_max_over_median",
+             "a stream's max|x| / median|x| reached {v:.3g} (massive activations)"),
+        )
+        for key, limit, arg, what in checks:
+            v = summary.get(key)
+            if limit is None or v is None or not math.isfinite(v) or v <= limit or key in self._alerted:
+                continue
+            self._alerted.add(key)
+            rank_zero_warn(
+                f"{type(self).__name__}: at step {step} {what.format(v=v)} (> {arg}={limit:g}). See "
+                f"{self.prefix}/summary/{key} and the per-depth charts; this warning is shown once per run."
+            )
 
     def on_validation_end(self, trainer: Any, pl_module: nn.Module) -> None:
-        if not self.depth_images or trainer.sanity_checking or not trainer.is_global_zero or not self.depth_profile:
+        if not self._enabled or trainer.sanity_checking or not trainer.is_global_zero or not self.depth_profile:
             return
-        if not C.tensorboard_writers(trainer):
+        writers = C.tensorboard_writers(trainer)
+        png_dir = C.figure_dir(trainer, self.dirpath)
+        if not writers and png_dir is None:
             return
-        from ..plots import curves_figure, figure_to_array, heatmap_figure
+        from ..plots import curves_figure, heatmap_figure
 
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
         prof = self.depth_profile
-        depths = list(range(len(self._entries) or len(prof.get("stream_rms", []))))
-        rms = {k: (depths, prof[k]) for k in ("stream_rms", "update_rms") if k in prof}
-        if rms:
-            fig = curves_figure(rms, "depth (merge index)", "RMS", "stream / update RMS vs depth", logy=True)
-            C.add_image(trainer, f"{self.prefix}/depth_profile/rms", figure_to_array(fig), step)
-        ratio = {k: (depths, prof[k]) for k in ("update_ratio", "growth") if k in prof}
-        if ratio:
-            fig = curves_figure(ratio, "depth (merge index)", "ratio", "update/stream ratio and growth vs depth")
-            C.add_image(trainer, f"{self.prefix}/depth_profile/ratio", figure_to_array(fig), step)
-        for fam in ("stream_rms", "update_ratio"):
-            cols = [(s, v[fam]) for s, v in self.history if fam in v]
-            if not cols:
+        D = len(self._entries) or len(prof.get("stream_rms", []))
+        depths = list(range(D))
+        kinds = [getattr(s, "branch", "") or "" for s, _ in self._entries] if self._entries else None
+
+        def emit(tag: str, fig: Any) -> None:
+            C.emit_figure(trainer, self.prefix, tag, fig, step, self.dirpath)
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
+
+        if self.depth_images:
+            rms = {k: (depths, prof[k]) for k in ("stream_rms", "update_rms") if k in prof}
+            if rms:
+                emit("depth_profile/rms", curves_figure(
+                    rms, "depth (merge index)", "RMS", f"stream / update RMS vs depth (step {step})",
+                    logy=True, kinds=kinds))
+            ratio = {k: (depths, prof[k]) for k in ("update_ratio", "growth") if k in prof}
+            if ratio:
+                emit("depth_profile/ratio", curves_figure(
+                    ratio, "depth (merge index)", "ratio", f"update/stream ratio and growth vs depth (step {step})",
+                    logy=True, kinds=kinds))
+            for fam, (vmin, vmax) in self.heatmap_ranges.items():
+                cols = [(s, v[fam]) for s, v in self.history if fam in v]
+                if not cols:
+                    continue
+                matrix = torch.tensor([c[1] for c in cols], dtype=torch.float64).T  # depth x step
+                emit(f"depth_heatmap/{fam}", heatmap_figure(
+                    matrix, "logging step", "depth", f"{fam}: depth x step (log colour, fixed range)",
+                    xticks=[c[0] for c in cols], yticks=self.depth_labels if len(self.depth_labels) == D else None,
+                    vmin=vmin, vmax=vmax, log=True))
+        if self._last_hists and self.histograms and (png_dir is not None or self.depth_images):
+            self._gate_figures(emit)
+
+    def _gate_figures(self, emit: Any) -> None:
+        """Histogram families as one depth x value heat map each (summed over streams): readable without the
+        histogram tab, and the only form loggers without histograms get. The title says where values start."""
+        from ..plots import heatmap_figure
+
+        D = len(self._entries)
+        for fam, hist, edges in self._last_hists:
+            counts = hist.detach().double().cpu().sum(1)  # (D, bins)
+            seen = [d for d in range(D) if counts[d].sum() > 0]
+            if not seen:
                 continue
-            matrix = torch.tensor([c[1] for c in cols], dtype=torch.float64).T  # depth x step
-            fig = heatmap_figure(
-                matrix, "logging step", "depth", f"{fam}: depth x step",
-                xticks=[c[0] for c in cols], yticks=depths if len(depths) == matrix.shape[0] else None,
-            )
-            C.add_image(trainer, f"{self.prefix}/depth_heatmap/{fam}", figure_to_array(fig), step)
+            frac = counts / counts.sum(1, keepdim=True).clamp_min(1)
+            frac[counts.sum(1) == 0] = float("nan")
+            e = edges.detach().double().cpu().tolist()
+            labels = [f"{(e[i] + e[i + 1]) / 2:.2f}" for i in range(len(e) - 1)]
+            title = f"{fam}: share of values per bin; first depth with values: {seen[0]}"
+            emit(f"depth_histogram/{fam}", heatmap_figure(
+                frac.T, "depth", "value", title, xticks=self.depth_labels if len(self.depth_labels) == D else None,
+                yticks=labels, vmin=0.0, vmax=1.0))
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
