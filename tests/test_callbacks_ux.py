@@ -218,7 +218,7 @@ def test_summary_scalars_and_few_depths(tmp_path):
     layout = layout_pb2.Layout()
     layout.ParseFromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
     charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
-    assert charts["stream_rms"] == [r"^resctl/stream_rms/00$", r"^resctl/stream_rms/02$", r"^resctl/stream_rms/03$"]
+    assert charts["stream_rms @ depth 00, 02, 03"] == [r"^resctl/stream_rms/00$", r"^resctl/stream_rms/02$", r"^resctl/stream_rms/03$"]
     assert any(t.startswith("^resctl/summary/growth_last") for c in charts.values() for t in c)
 
     chosen = ResidualControlCallback(log_every_n_steps=1, depth_images=False, per_depth=[1])

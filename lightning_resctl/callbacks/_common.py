@@ -231,7 +231,8 @@ def add_custom_scalars(trainer: Any, prefix: str, families: list[str], category:
         if depth_tags is None:
             charts[fam] = ["Multiline", [f"^{re.escape(prefix)}/{re.escape(fam)}/\\d+$"]]
         else:
-            charts[fam] = ["Multiline", [f"^{re.escape(prefix)}/{re.escape(fam)}/{dd}$" for dd in depth_tags]]
+            title = f"{fam} @ depth {', '.join(depth_tags)}"
+            charts[title] = ["Multiline", [f"^{re.escape(prefix)}/{re.escape(fam)}/{dd}$" for dd in depth_tags]]
     layout[category or prefix] = charts
     for exp in tensorboard_writers(trainer):
         if hasattr(exp, "add_custom_scalars"):

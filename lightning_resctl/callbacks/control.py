@@ -234,13 +234,14 @@ class ResidualControlCallback(Callback):
         """Markdown for TensorBoard's text tab: what the depths are and how to read the charts."""
         D = len(self._entries)
         few = C.chosen_depths(self.per_depth, D)
-        lines = [
+        head = [
             f"**{self.prefix}**: {D} residual merges"
             + (f", patched with `{self.method}`" if self.method else " (observed)")
             + f". Depth d = merge index (chain, then position). Per-depth scalars for depths {few}"
             + ("" if self.per_depth == "all" else " (per_depth='all' logs every depth)")
             + f"; the summary scalars `{self.prefix}/summary/*` cover all depths.",
-            "",
+        ]
+        lines = [
             "| depth | chain | position | branch | module | source |",
             "|---|---|---|---|---|---|",
         ]
@@ -248,14 +249,19 @@ class ResidualControlCallback(Callback):
             src = (getattr(site, "source_line", "") or "").replace("|", "\\|")
             lines.append(f"| {C.depth_tag(d, D)} | {getattr(site, 'chain', 0)} | {pos} | "
                          f"{getattr(site, 'branch', '') or '-'} | `{getattr(site, 'path', '') or 'root'}` | `{src}` |")
+        return "\n".join(head + ["", *self._notes(), ""] + lines)
+
+    def _notes(self) -> list[str]:
         notes = []
         for rule, stats in self._rule_stats:
             note = getattr(stats, "notes", None)
             note = note() if callable(note) else note
             for n in ([note] if isinstance(note, str) else list(note or [])):
                 notes.append(f"* `{rule.name}`: {n}")
-        notes.append(f"* Heat maps use fixed log colour ranges {self.heatmap_ranges} (same colours across runs).")
-        return "\n".join(lines + ["", "Notes:", "", *notes])
+        ranges = ", ".join(f"{k} {lo:g}..{hi:g}" for k, (lo, hi) in self.heatmap_ranges.items())
+        notes.append(f"* Heat maps use fixed log colour ranges ({ranges}; values outside take the end colours), "
+                     "so the same colour means the same value in every run.")
+        return notes
 
     # ------------------------------------------------------------------ probes
     def _every(self, trainer: Any) -> int:
@@ -566,8 +572,8 @@ class ResidualControlCallback(Callback):
             labels = [f"{(e[i] + e[i + 1]) / 2:.2f}" for i in range(len(e) - 1)]
             title = f"{fam}: share of values per bin; first depth with values: {seen[0]}"
             emit(f"depth_histogram/{fam}", heatmap_figure(
-                frac.T, "depth", "value", title, xticks=self.depth_labels if len(self.depth_labels) == D else None,
-                yticks=labels, vmin=0.0, vmax=1.0))
+                frac.T, "depth (merge index)", "value", title, xticks=list(range(D)), yticks=labels, vmin=0.0,
+                vmax=1.0))
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
