@@ -150,7 +150,8 @@ def _loader():
 
 def test_outside_rule_works_in_the_callbacks(half, tmp_path):
     module = LitToy()
-    control = ResidualControlCallback(method=half, scale=0.5, log_every_n_steps=1, depth_images=False)
+    control = ResidualControlCallback(method=half, scale=0.5, log_every_n_steps=1, depth_images=False,
+                                      dirpath=str(tmp_path))  # logger=False: somewhere to write, or no probes
     ablation = ResidualAblationCallback(max_batches=1, depth_images=False)
     trainer = L.Trainer(max_steps=2, limit_val_batches=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[control, ablation],
@@ -181,7 +182,8 @@ _STREAM_FAMILIES = {"stream_rms", "update_rms", "update_ratio", "growth", "max_a
 @pytest.mark.parametrize("method", merge_rules())
 def test_every_rule_logs_its_own_diagnostics_through_the_one_callback(method, tmp_path):
     module = LitToy()
-    cb = ResidualControlCallback(method=method, log_every_n_steps=1, depth_images=False)
+    cb = ResidualControlCallback(method=method, log_every_n_steps=1, depth_images=False,
+                                 dirpath=str(tmp_path))  # logger=False: somewhere to write, or no probes
     trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[cb], default_root_dir=tmp_path)
     trainer.fit(module, _loader())
