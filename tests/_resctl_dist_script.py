@@ -115,7 +115,7 @@ def _full(t):
 def main(mode: str, out: Path, gating: str = "competitive", name: str | None = None) -> None:
     L.seed_everything(0, workers=True)
     name = name or mode
-    cb = ResidualControlCallback(method="mgr", log_every_n_steps=1, streams=STREAMS, gating=gating)
+    cb = ResidualControlCallback(method="mgr", log_every_n_steps=1, per_depth="all", streams=STREAMS, gating=gating)
     rec = Recorder()
     abl = ResidualAblationCallback(max_batches=1)
     logger = L.pytorch.loggers.TensorBoardLogger(save_dir=str(out), name=name, version=0)
