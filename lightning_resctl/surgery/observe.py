@@ -5,6 +5,12 @@ From it we keep a light dataflow graph (tensor -> producing op -> input tensors)
 of two tensors (``a + b``, ``torch.add``, ``a += b``, ``a.add_(b)``), the calling frame: its code object
 and the instruction being run, which Python 3.11's ``co_positions`` maps to the exact source expression.
 
+An addition that runs in a plain function (``dropout_add(x, residual, p, training)``, a helper of the user's,
+a ``functools.partial`` of one) called from a module's method is attributed to that method: the frames between
+are kept as *call sites* (``AddEvent.calls``), so that the call can be redirected, for that call site only, to a
+rewritten copy of the function. Code lexically inside the method (a comprehension, a lambda, an inner ``def``)
+is part of the method's own source and needs no call site.
+
 An addition is a *merge* when both operands have the same shape (floating point, at least 1-D) and one
 operand, the *stream*, is an ancestor of the other, the *update*, through a branch holding learned
 parameters. Everything else is reported with the reason it is not a merge.
@@ -33,6 +39,9 @@ _VALUE_FREE = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like"
 _FIRST_INPUT_ONLY = {"expand_as", "type_as", "view_as", "reshape_as", "to"}
 # frames of torch's dispatch glue between the user's expression and the mode
 _GLUE_FILES = ("torch/overrides.py", "torch/_tensor.py", "torch/utils/_device.py")
+# frames of nn.Module's call machinery: a function called from there (a hook) has no call site to redirect
+_MODULE_CALL_FILES = ("torch/nn/modules/module.py",)
+_MAX_CALL_DEPTH = 6
 
 
 @dataclass
@@ -67,11 +76,16 @@ class AddEvent:
     owner: Optional[nn.Module]
     method_name: Optional[str]  # name on type(owner) of the method whose code ran the addition
     function_name: str
+    # call sites from the owner's method down to the free function holding the addition, outermost first:
+    # ((code, position of the call), ...); empty when the addition is in the method's own source
+    calls: tuple = ()
+    method_code: Optional[CodeType] = None  # code of owner's method (== code when calls is empty)
     not_candidate: Optional[str] = None  # alpha/out= etc.
     stream_operand: Optional[int] = None  # 0 or 1 once classified as a merge
     reason: Optional[str] = None          # why it is not a merge
     branch_ops: frozenset = field(default_factory=frozenset)
     branch_modules: frozenset = field(default_factory=frozenset)  # paths of the modules that ran in the branch
+    branch_learned: tuple = ()            # module paths of the branch's learned ops, in execution order
     feature_dim: int = -1                 # 1 when the branch starts with a convolution (channels-first)
     checkpointed: bool = False            # ran inside torch.utils.checkpoint (activation recomputation)
 
@@ -82,6 +96,14 @@ class AddEvent:
     @property
     def location(self) -> str:
         return f"{short_path(self.filename)}:{self.lineno}"
+
+    @property
+    def call_location(self) -> str:
+        """"file:line" of the call in the owner's method that led to the function holding the addition."""
+        if not self.calls:
+            return ""
+        code, pos = self.calls[0]
+        return f"{short_path(code.co_filename)}:{pos[0] if pos else code.co_firstlineno}"
 
 
 @dataclass
@@ -199,33 +221,69 @@ class _Recorder(TorchFunctionMode):
             not_candidate = f"scaled addition (alpha={alpha!r})"
         if "out" in kwargs:
             not_candidate = "addition with out="
+        frame_code = frame.f_code if frame is not None else None
         code = frame.f_code if frame is not None else None
         position = None
         owner = None
         method_name = None
         lineno = 0
         filename = "<unknown>"
+        calls: tuple = ()
+        method_code = None
         if code is not None:
             filename = code.co_filename
             lineno = frame.f_lineno
-            positions = list(code.co_positions())
-            i = frame.f_lasti // 2
-            if 0 <= i < len(positions) and positions[i][0] is not None:
-                position = positions[i]
+            position = _position(frame)
+            if position is not None:
                 lineno = position[0]
-            if code.co_argcount > 0:
-                candidate = frame.f_locals.get(code.co_varnames[0])
-                if isinstance(candidate, nn.Module):
-                    owner = candidate
-                    method_name = _method_name_for(type(candidate), code, self.method_cache)
+            owner, method_name = self._method_of(frame)
+            if owner is None:
+                owner, method_name, code, calls = self._walk_to_method(frame, code, position)
+            method_code = calls[0][0] if calls else code
         checkpointed = _inside_checkpoint(frame)
         del frame
         self.events.append(AddEvent(
             index=len(self.events), result=self.node_of[id(out_tensors[0])], operands=operand_nodes,
             shapes=(meta[0], meta[1]), floating=meta[2], ndim=meta[3],
             inplace=func in _IADD_FUNCS, code=code, position=position, filename=filename, lineno=lineno,
-            owner=owner, method_name=method_name, function_name=code.co_name if code else "?",
+            owner=owner, method_name=method_name,
+            function_name=(frame_code.co_name if frame_code else "?"), calls=calls, method_code=method_code,
             not_candidate=not_candidate, checkpointed=checkpointed))
+
+    def _method_of(self, frame: FrameType) -> tuple:
+        """(module, method name) when ``frame`` runs a method of an nn.Module on that module, else (None, None)."""
+        code = frame.f_code
+        if code.co_argcount > 0 or code.co_posonlyargcount > 0:
+            candidate = frame.f_locals.get(code.co_varnames[0])
+            if isinstance(candidate, nn.Module):
+                name = _method_name_for(type(candidate), code, self.method_cache)
+                if name is not None:
+                    return candidate, name
+        return None, None
+
+    def _walk_to_method(self, frame: FrameType, code: CodeType, position) -> tuple:
+        """From a function that is not a module's method up to the module method that called it.
+
+        Returns (owner, method name, code holding the addition's source, call sites outermost first);
+        (None, None, code, ()) when no module method is found (a hook, or too deep)."""
+        levels = [(code, position)]   # innermost last: (code whose source holds the edit, position)
+        parent = frame.f_back
+        for _ in range(_MAX_CALL_DEPTH):
+            if parent is None or parent.f_code.co_filename.replace("\\", "/").endswith(_MODULE_CALL_FILES):
+                break
+            pcode = parent.f_code
+            if _nested_in(levels[0][0], pcode):
+                # a comprehension, lambda or inner def: its source is part of the enclosing function's
+                levels[0] = (pcode, levels[0][1])
+            else:
+                levels.insert(0, (pcode, _position(parent)))
+            owner, name = self._method_of(parent)
+            if owner is not None:
+                if any(p is None for _, p in levels):
+                    break
+                return owner, name, levels[-1][0], tuple(levels[:-1])
+            parent = parent.f_back
+        return None, None, code, ()
 
 
 def _inside_checkpoint(frame: Optional[FrameType]) -> bool:
@@ -236,6 +294,25 @@ def _inside_checkpoint(frame: Optional[FrameType]) -> bool:
         if f.f_code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py"):
             return True
         f = f.f_back
+    return False
+
+
+def _position(frame: FrameType) -> Optional[tuple]:
+    """(lineno, end_lineno, col, end_col) of the expression ``frame`` is running (the call, in a caller)."""
+    positions = list(frame.f_code.co_positions())
+    i = frame.f_lasti // 2
+    if 0 <= i < len(positions) and positions[i][0] is not None:
+        return positions[i]
+    return None
+
+
+def _nested_in(inner: CodeType, outer: CodeType, depth: int = 0) -> bool:
+    """``inner`` is the code of a function defined inside ``outer``'s source (a constant of it, recursively)."""
+    if depth > 8:
+        return False
+    for const in outer.co_consts:
+        if isinstance(const, CodeType) and (const is inner or _nested_in(inner, const, depth + 1)):
+            return True
     return False
 
 
@@ -354,6 +431,7 @@ def _classify(ev: AddEvent, nodes: list, merge_of: Optional[dict] = None) -> Non
         ev.stream_operand = idx
         ev.branch_ops = frozenset(nodes[n].op for n in between)
         ev.branch_modules = frozenset(nodes[n].module for n in between)
+        ev.branch_learned = _learned_modules(nodes, between)
         first = nodes[min(n for n in between if nodes[n].learned)]
         ev.feature_dim = 1 if ev.ndim >= 3 and "conv" in first.op else -1
         return
@@ -367,6 +445,7 @@ def _classify(ev: AddEvent, nodes: list, merge_of: Optional[dict] = None) -> Non
                 ev.stream_operand = idx
                 ev.branch_ops = frozenset(nodes[n].op for n in between)
                 ev.branch_modules = frozenset(nodes[n].module for n in between)
+                ev.branch_learned = _learned_modules(nodes, between)
                 ev.feature_dim = prev.feature_dim
                 return
             prev = merge_of.get(prev.operands[prev.stream_operand])
@@ -386,6 +465,11 @@ def _classify(ev: AddEvent, nodes: list, merge_of: Optional[dict] = None) -> Non
     else:
         ev.reason = ("combines two branches of one input (neither operand is the other's ancestor: "
                      "e.g. parallel branches or a learned shortcut)")
+
+
+def _learned_modules(nodes: list, between: set) -> tuple:
+    """Module paths running the learned ops of a branch, in execution order, each once."""
+    return tuple(dict.fromkeys(nodes[n].module for n in sorted(between) if nodes[n].learned))
 
 
 def _inside(inner: AddEvent, outer: AddEvent) -> bool:

@@ -10,7 +10,16 @@ from torch import nn
 
 from .observe import AddEvent, Observation, observe
 from .report import ChainInfo, PatchReport, SiteInfo, SkippedInfo
-from .rewrite import Edit, RewriteError, is_patched_class, patched_subclass, unwrap_depth
+from .rewrite import (
+    CallEdit,
+    Edit,
+    RewriteError,
+    annotate_edits,
+    check_callee,
+    is_patched_class,
+    patched_subclass,
+    unwrap_depth,
+)
 from .sites import ChainEnd, ChainRun, ChainStart, MergeSite
 
 __all__ = ["patch_residuals", "unpatch_residuals", "get_patch_report", "merge_sites", "load_unpatched_state_dict",
@@ -127,7 +136,8 @@ def unpatch_residuals(model: nn.Module) -> None:
     ``self.model`` was patched): every patch found in it is undone. Outputs are bitwise identical to the
     model before patching (MGR parameters are dropped). Raises RuntimeError when nothing is patched."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__} {model!r}")
+        raise TypeError(f"unpatch_residuals(model): model must be an nn.Module, got {type(model).__name__} "
+                        f"({model!r:.60})")
     states = _patch_states(model)
     if not states:
         raise RuntimeError(f"{type(model).__name__} is not patched (no patch_residuals state on it or in it)")
@@ -270,7 +280,55 @@ class _Plan:
 
 
 def _site_key(ev: AddEvent) -> tuple:
-    return (id(ev.owner), ev.method_name, ev.position)
+    """One MergeSite per (module, method, call sites leading to the addition, addition's position)."""
+    return (id(ev.owner), ev.method_name, tuple(p for _, p in ev.calls), ev.position)
+
+
+def _callees(ev: AddEvent) -> list:
+    """Code objects of the free functions between the owner's method and the addition (outermost first)."""
+    return [code for code, _ in ev.calls[1:]] + ([ev.code] if ev.calls else [])
+
+
+# ---------------------------------------------------------------------------------------------- branch kind
+_ATTN_WORDS = ("attn", "attention")
+_MLP_WORDS = ("mlp", "ffn", "feed_forward", "feedforward", "intermediate", "ff", "fc", "dense_h_to_4h",
+              "dense_4h_to_h", "moe", "experts", "block_sparse_moe")
+
+
+def _kind_of(component: str) -> str:
+    c = component.lower()
+    if "norm" in c or c in ("ln", "ln_1", "ln_2", "ln_f") or c.isdigit():
+        return ""
+    if any(w in c for w in _ATTN_WORDS):
+        return "attn"
+    if c in _MLP_WORDS or any(w in c.split("_") for w in ("mlp", "ffn", "ff")) or "feed_forward" in c \
+            or "mlp" in c:
+        return "mlp"
+    if "conv" in c:
+        return "conv"
+    return ""
+
+
+def branch_kind(ev: AddEvent) -> str:
+    """A short label of the merge's branch: "attn", "mlp", "attn+mlp" (a parallel block), "conv" or "".
+
+    Each learned op of the branch (the dataflow between stream and update) is labelled by the deepest
+    component of its module path that names a kind (``self_attn``/``attention``/``attn`` -> attn,
+    ``mlp``/``ffn``/``feed_forward``/``intermediate`` -> mlp, ``*conv*`` -> conv; norms are ignored)."""
+    kinds = []
+    for path in ev.branch_learned:
+        for comp in reversed(path.split(".")):
+            k = _kind_of(comp)
+            if k:
+                kinds.append(k)
+                break
+    found = set(kinds)
+    if "attn" in found and "mlp" in found:
+        return "attn+mlp"
+    for k in ("attn", "mlp", "conv"):
+        if k in found:
+            return k
+    return "conv" if any("conv" in op for op in ev.branch_ops) else ""
 
 
 def _source_line(ev: AddEvent) -> str:
@@ -304,8 +362,9 @@ def _plan(model: nn.Module, obs: Observation, rule, include, exclude) -> _Plan:
             skip_reasons[ev.index] = ev.reason
             continue
         if ev.owner is None or ev.method_name is None:
-            skip_reasons[ev.index] = (f"the addition runs in function {ev.function_name!r}, not in a method of a "
-                                      "module of the model: cannot rewrite it")
+            skip_reasons[ev.index] = (f"the addition runs in function {ev.function_name!r}, which was not called "
+                                      "from a method of a module of the model (e.g. from a hook, or through "
+                                      f"more than a few function calls): cannot rewrite it")
             continue
         if id(ev.owner) not in paths:
             skip_reasons[ev.index] = "the addition runs in a module outside the model"
@@ -315,8 +374,13 @@ def _plan(model: nn.Module, obs: Observation, rule, include, exclude) -> _Plan:
                                       "nn.Sequential/ModuleList/ModuleDict): a merge module registered on it would "
                                       "be iterated as one of its layers")
             continue
-        if ev.position is None:
+        if ev.position is None or any(pos is None for _, pos in ev.calls):
             skip_reasons[ev.index] = "no source position for the addition"
+            continue
+        lambdas = [c.co_name for c in _callees(ev) if c.co_name.startswith("<")]
+        if lambdas:
+            skip_reasons[ev.index] = (f"the addition runs in {lambdas[0]} defined outside the module's method: "
+                                      "only a function written with def can be rewritten per call site")
             continue
         p = path_of(ev)
         if include is not None and not _matches(p, include):
@@ -385,31 +449,29 @@ def _plan(model: nn.Module, obs: Observation, rule, include, exclude) -> _Plan:
 
 def _prepare_rewrites(candidates: list, skip_reasons: dict):
     """Assign site attribute names per owner and build the owners' patched classes; drop what cannot be
-    rewritten (with the reason)."""
+    rewritten (with the reason).
+
+    Per owner and method the edits form a tree: an addition in the method's source is an :class:`Edit`; an
+    addition in a free function called from it is a :class:`CallEdit` at the call, holding the edits of a
+    copy of that function rewritten for this call site only (nested calls nest)."""
     while True:
         per_owner: dict = {}
         for ev in candidates:
             entry = per_owner.setdefault(id(ev.owner), (ev.owner, {}))
-            entry[1].setdefault(ev.method_name, {})[ev.position] = (ev.code, ev.stream_operand)
+            entry[1].setdefault(ev.method_name, []).append(ev)
         methods: dict = {}
         classes: dict = {}
         failed: set = set()
         for oid, (owner, by_method) in per_owner.items():
             attrs: dict = {}
             spec = []
-            j = 0
+            counter = [0]
             cls = type(owner)
             for mname in sorted(by_method):
-                edits = []
-                code = None
-                for pos in sorted(by_method[mname]):
-                    code, stream_operand = by_method[mname][pos]
-                    attr = f"{_SITE_PREFIX}{j}"
-                    j += 1
-                    attrs[(oid, mname, pos)] = attr
-                    edits.append(Edit(pos, attr, stream_operand))
+                evs = by_method[mname]
                 try:
-                    spec.append((mname, unwrap_depth(cls, mname, code), tuple(edits)))
+                    edits = _edit_tree(evs, 0, oid, mname, attrs, counter)
+                    spec.append((mname, unwrap_depth(cls, mname, evs[0].method_code), edits))
                 except RewriteError as err:
                     _fail(candidates, oid, {mname}, f"cannot rewrite {cls.__name__}.{mname}: {err}", skip_reasons,
                           failed)
@@ -425,6 +487,41 @@ def _prepare_rewrites(candidates: list, skip_reasons: dict):
         if not failed:
             return candidates, methods, classes
         candidates = [ev for ev in candidates if ev.index not in failed]
+
+
+def _edit_tree(evs: list, level: int, oid: int, mname: str, attrs: dict, counter: list) -> tuple:
+    """The edits, at call depth ``level``, of the function reached by ``evs`` (all at that level's code).
+
+    Assigns site attributes (``attrs[site key] = name``), annotates each edit with its source text, and
+    compiles each free function's rewritten copy once here so that a failure is a skip reason, not an error
+    at the first forward."""
+    direct: dict = {}
+    via: dict = {}
+    for ev in evs:
+        if len(ev.calls) > level:
+            via.setdefault(ev.calls[level][1], []).append(ev)
+        else:
+            direct.setdefault(ev.position, ev)
+    code = evs[0].calls[level][0] if len(evs[0].calls) > level else evs[0].code
+    edits = []
+    for pos in sorted(set(direct) | set(via)):
+        if pos in direct:
+            ev = direct[pos]
+            key = _site_key(ev)
+            if key not in attrs:
+                attrs[key] = f"{_SITE_PREFIX}{counter[0]}"
+                counter[0] += 1
+            edits.append(Edit(pos, attrs[key], ev.stream_operand))
+        else:
+            group = via[pos]
+            inner = _edit_tree(group, level + 1, oid, mname, attrs, counter)
+            callee = group[0].calls[level + 1][0] if len(group[0].calls) > level + 1 else group[0].code
+            try:
+                check_callee(callee, inner)
+            except RewriteError as err:
+                raise RewriteError(f"the function {callee.co_qualname} (called at line {pos[0]}): {err}") from None
+            edits.append(CallEdit(pos, callee.co_qualname, inner))
+    return annotate_edits(code, edits)
 
 
 def _fail(candidates, oid, mnames, reason, skip_reasons, failed) -> None:
@@ -540,7 +637,7 @@ def _expected_positions(plan: _Plan, sites: dict, other: Optional[Observation], 
     for ev in other.events:
         if ev.owner is None or ev.position is None or not ev.is_merge:
             continue
-        key = (id(ev.owner), ev.method_name, ev.position)
+        key = _site_key(ev)
         site = sites.get(key)
         if site is None:
             continue
@@ -613,6 +710,10 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
             rule, path=plan.paths[id(ev0.owner)], location=ev0.location, source_line=_source_line(ev0),
             stream_shape=ev0.shapes[0], chain=ci, positions=positions, dim=d, inplace=inplace, merge=merge,
             chain_module=chain_modules[ci], run=None if not is_chain else _PENDING)
+        # set after construction (sites.py is not concerned): branch label and free-function provenance
+        sites[key].branch = branch_kind(ev0)
+        sites[key].function = ev0.function_name if ev0.calls else ""
+        sites[key].called_at = ev0.call_location
 
     # chain runs: expected merges per mode, reset/check hooks on each chain's owner
     if is_chain:
@@ -653,7 +754,9 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
         report.sites.append(SiteInfo(
             path=site.path, location=site.location, source_line=site.source_line, stream_shape=site.stream_shape,
             chain=chain_index[ev.index], position=position_of[ev.index], method=rule.name, dim=site.dim,
-            stream_operand="left" if ev.stream_operand == 0 else "right", site=site))
+            stream_operand="left" if ev.stream_operand == 0 else "right", site=site,
+            branch=getattr(site, "branch", ""), function=getattr(site, "function", ""),
+            called_at=getattr(site, "called_at", "")))
     return state
 
 

@@ -23,6 +23,10 @@ class SiteInfo:
     dim: int = -1             # feature dim as the model sees it (-1, or 1 for channels-first)
     stream_operand: str = ""  # "left" or "right": which operand of the addition is the stream
     site: Any = field(default=None, repr=False, compare=False)  # the MergeSite that runs this merge
+    branch: str = ""          # what the update's branch is: "attn", "mlp", "attn+mlp" (parallel), "conv" or ""
+    function: str = ""        # the free function holding the addition (e.g. "dropout_add"), "" when it is in
+    #                           the module's own method; ``location`` is then in that function
+    called_at: str = ""       # "file:line" of the call in the module's method that reaches ``function``
 
     @property
     def module(self) -> nn.Module | None:
@@ -42,6 +46,9 @@ class SiteInfo:
             "method": self.method,
             "dim": self.dim,
             "stream_operand": self.stream_operand,
+            "branch": self.branch,
+            "function": self.function,
+            "called_at": self.called_at,
         }
 
 
@@ -123,11 +130,16 @@ class PatchReport:
                 f"{len(self.chains)} chain(s), {len(self.skipped)} addition(s) skipped")
         lines = [head]
         if self.sites:
-            rows = [("chain", "pos", "module", "shape", "location", "source")]
+            rows = [("chain", "pos", "module", "branch", "shape", "location", "source")]
             for s in self.sites:
-                rows.append((str(s.chain), str(s.position), s.path or "<root>",
+                where = s.location
+                if s.function:
+                    where += f" in {s.function}() called at {s.called_at.rsplit(':', 1)[-1]}" \
+                        if s.called_at.rsplit(":", 1)[0] == s.location.rsplit(":", 1)[0] \
+                        else f" in {s.function}() called at {s.called_at}"
+                rows.append((str(s.chain), str(s.position), s.path or "<root>", s.branch or "-",
                              "x".join(str(d) for d in s.stream_shape) + ("" if s.dim == -1 else f" (dim {s.dim})"),
-                             s.location, _clip(s.source_line, 48)))
+                             where, _clip(s.source_line, 48)))
             lines += _table(rows)
         if self.skipped:
             lines.append("skipped:")
