@@ -280,12 +280,16 @@ def test_albert_shared_layer_rescontroller_and_mgr_refusal():
         patch_residuals(make(), method="mgr", example_input=IDS)
 
 
-def test_falcon_merge_in_a_free_function_is_skipped_with_the_reason():
-    model = T.FalconForCausalLM(T.FalconConfig(**_LM, num_hidden_layers=2, hidden_size=32, num_attention_heads=2))
-    report = patch_residuals(model, method="add", example_input=IDS, allow_empty=True)
-    assert report.sites == []
+def test_falcon_merge_in_a_free_function_is_patched():
+    """Falcon merges in ``dropout_add`` (a free function): patched per call site (tests/test_surgery_functions.py
+    has the details); its default parallel block sums the two branches first (skipped), then one merge."""
+    def make():
+        return T.FalconForCausalLM(T.FalconConfig(**_LM, num_hidden_layers=2, hidden_size=32, num_attention_heads=2))
+
+    report = _check(make, IDS, "logits")
+    assert [c.length for c in report.chains] == [2]
+    assert {(s.source_line, s.function) for s in report.sites} == {("out = residual + out", "dropout_add")}
     reasons = {s.source_line: s.reason for s in report.skipped}
-    assert "runs in function 'dropout_add'" in reasons["out = residual + out"]
     assert "two branches" in reasons["mlp_output += attention_output"]
 
 

@@ -470,7 +470,14 @@ def _prepare_rewrites(candidates: list, skip_reasons: dict):
             for mname in sorted(by_method):
                 evs = by_method[mname]
                 try:
-                    edits = _edit_tree(evs, 0, oid, mname, attrs, counter)
+                    callee_failures: dict = {}
+                    edits = _edit_tree(evs, 0, oid, mname, attrs, counter, callee_failures)
+                    if callee_failures:  # only the merges reached through that call are dropped
+                        for ev in evs:
+                            if ev.index in callee_failures:
+                                skip_reasons[ev.index] = callee_failures[ev.index]
+                                failed.add(ev.index)
+                        continue
                     spec.append((mname, unwrap_depth(cls, mname, evs[0].method_code), edits))
                 except RewriteError as err:
                     _fail(candidates, oid, {mname}, f"cannot rewrite {cls.__name__}.{mname}: {err}", skip_reasons,
@@ -489,12 +496,13 @@ def _prepare_rewrites(candidates: list, skip_reasons: dict):
         candidates = [ev for ev in candidates if ev.index not in failed]
 
 
-def _edit_tree(evs: list, level: int, oid: int, mname: str, attrs: dict, counter: list) -> tuple:
+def _edit_tree(evs: list, level: int, oid: int, mname: str, attrs: dict, counter: list, failures: dict) -> tuple:
     """The edits, at call depth ``level``, of the function reached by ``evs`` (all at that level's code).
 
     Assigns site attributes (``attrs[site key] = name``), annotates each edit with its source text, and
     compiles each free function's rewritten copy once here so that a failure is a skip reason, not an error
-    at the first forward."""
+    at the first forward: ``failures[event index] = reason`` for the merges of a call that cannot be
+    redirected."""
     direct: dict = {}
     via: dict = {}
     for ev in evs:
@@ -514,12 +522,15 @@ def _edit_tree(evs: list, level: int, oid: int, mname: str, attrs: dict, counter
             edits.append(Edit(pos, attrs[key], ev.stream_operand))
         else:
             group = via[pos]
-            inner = _edit_tree(group, level + 1, oid, mname, attrs, counter)
             callee = group[0].calls[level + 1][0] if len(group[0].calls) > level + 1 else group[0].code
             try:
+                inner = _edit_tree(group, level + 1, oid, mname, attrs, counter, failures)
                 check_callee(callee, inner)
             except RewriteError as err:
-                raise RewriteError(f"the function {callee.co_qualname} (called at line {pos[0]}): {err}") from None
+                for ev in group:
+                    failures.setdefault(ev.index, f"cannot rewrite the function {callee.co_qualname} (called at "
+                                                  f"line {pos[0]} of {mname}): {err}")
+                continue
             edits.append(CallEdit(pos, callee.co_qualname, inner))
     return annotate_edits(code, edits)
 
