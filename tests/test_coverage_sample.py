@@ -49,7 +49,10 @@ def test_expectation_is_derived_from_the_config():
     assert coverage.expected_merges(T.GPTNeoXConfig(num_hidden_layers=3, use_parallel_residual=True))[0] == 3
     assert coverage.expected_merges(T.GPTNeoXConfig(num_hidden_layers=3, use_parallel_residual=False))[0] == 6
     assert coverage.expected_merges(T.BartConfig(encoder_layers=1, decoder_layers=2))[0] == 2 + 6
-    assert coverage.expected_merges(T.SwinConfig())[0] is None
+    assert coverage.expected_merges(T.BartConfig(encoder_layers=1, decoder_layers=2), "BartForCausalLM")[0] == 4
+    assert coverage.expected_merges(T.SwinConfig(depths=[1, 2], num_heads=[1, 2]))[0] == 6
+    assert coverage.expected_merges(T.ConvNextConfig())[0] is None      # conv stages: no structural count
+    assert coverage.expected_merges(T.GPTJConfig(n_layer=3))[0] == 3     # parallel block without a flag
 
 
 def test_shrunken_config_is_small():
