@@ -40,7 +40,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ._triton import interpreter_mode, kernel_module, triton_available
+from ._triton import triton_available
+from .backends import BACKENDS, check_backend, load_kernels, triton_runs_on_device
 
 __all__ = [
     "ControllerScales",
@@ -51,8 +52,7 @@ __all__ = [
     "BACKENDS",
 ]
 
-#: Accepted backend names ("native" is an alias of "triton", for users coming from MLBricks).
-BACKENDS = ("auto", "triton", "torch", "native")
+# BACKENDS (shared with MGR, lightning_resctl.backends): "auto", "torch", "triton", "native" (alias of triton).
 
 _DEFAULTS = dict(update_ratio=0.18, stream_ratio=1.08, update_softness=8.0, stream_softness=8.0, eps=1e-12)
 
@@ -104,11 +104,7 @@ def _check_dim(dim, ndim: int) -> int:
 
 
 def _check_backend(backend) -> str:
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be one of {BACKENDS}, got {backend!r} ({type(backend).__name__})")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return "triton" if backend == "native" else backend
+    return check_backend(backend, BACKENDS)
 
 
 def _check_tensors(residual, update, dim) -> int:
@@ -318,19 +314,13 @@ def _rescontroller_torch(residual, update, ur, sr, ku, ks, eps, dim):
     return _ResControllerFunction.apply(residual, update, ur, sr, ku, ks, eps, dim)
 
 
-_KERNELS_LOADED = False
-
-
 @torch.compiler.assume_constant_result
 def _load_kernels() -> bool:
     """Import the Triton kernels (registers ``torch.ops.lightning_resctl.rescontroller_*``).
 
     ``assume_constant_result`` lets ``torch.compile`` run this once at trace time instead of
     tracing the import (which would break the graph)."""
-    global _KERNELS_LOADED
-    if not _KERNELS_LOADED:
-        kernel_module("rescontroller")
-        _KERNELS_LOADED = True
+    load_kernels("rescontroller")
     return True
 
 
@@ -351,12 +341,7 @@ def _rescontroller_triton(residual, update, ur, sr, ku, ks, eps, dim):
 # --------------------------------------------------------------------------------------------
 # dispatch
 # --------------------------------------------------------------------------------------------
-@torch.compiler.assume_constant_result
-def _triton_runs_on_device(device_type: str) -> bool:
-    """Whether the Triton kernels run on tensors of ``device_type`` (constant under torch.compile)."""
-    if not triton_available():
-        return False
-    return device_type == "cuda" or (device_type == "cpu" and interpreter_mode())
+_triton_runs_on_device = triton_runs_on_device
 
 
 def _resolve(backend: str, tensor: Tensor | None) -> str:

@@ -499,3 +499,31 @@ def test_bad_inputs_name_the_argument():
         run.write(x)
     with pytest.raises(ValueError, match="branches"):
         chain(x, [torch.tanh])
+
+
+def test_backend_names_shared_with_rescontroller():
+    from lightning_resctl import backends
+    from lightning_resctl.rescontroller import ResController
+
+    for name in ("auto", "torch", "triton", "native"):
+        chain = MGRChain(8, 4, streams=2, backend=name)
+        ctrl = ResController(backend=name)
+        assert chain.backend == ctrl.backend == backends.check_backend(name)
+    assert MGRChain(8, 4, streams=2, backend="native").backend == "triton"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        MGRChain(8, 4, streams=2, backend="cuda")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ResController(backend="reference")  # MGR's extra oracle backend only
+    with pytest.raises(TypeError, match="backend"):
+        MGRChain(8, 4, streams=2, backend=None)
+
+
+def test_package_layout_keeps_public_names():
+    import lightning_resctl.mgr as mgr
+
+    for name in ("MGRChain", "MGRMerge", "MGRPool", "MGRRun", "MGRInit", "attn_pool_reference", "mgr_gates_reference",
+                 "mgr_merge_reference", "mgr_step_reference", "rms_norm", "mgr_bias_init", "GATINGS", "BACKENDS",
+                 "saved_tensor_bytes"):
+        assert hasattr(mgr, name), name
+    assert mgr.MGRChain.__module__ == "lightning_resctl.mgr.modules"
+    assert mgr.mgr_step_reference.__module__ == "lightning_resctl.mgr.reference"

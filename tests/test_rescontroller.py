@@ -361,8 +361,8 @@ def test_public_exports():
 
 
 def test_triton_backend_needs_a_device_it_runs_on(monkeypatch):
-    rc = importlib.import_module("lightning_resctl.rescontroller")
-    monkeypatch.setattr(rc, "interpreter_mode", lambda: False)
+    backends = importlib.import_module("lightning_resctl.backends")
+    monkeypatch.setattr(backends, "interpreter_mode", lambda: False)
     x = torch.randn(2, 4)
     with pytest.raises(ValueError, match="backend='triton'"):
         rescontroller(x, x, backend="triton")
