@@ -137,3 +137,15 @@ def test_chain_on_triton_matches_reference(gating, invert):
 def test_kernel_rejects_more_than_eight_streams(kern):
     with pytest.raises(ValueError, match="up to 8 streams"):
         kern.mgr_step(torch.randn(2, 9, 5), torch.randn(2, 5), torch.zeros(5), None, None, None, 1e-6)
+
+
+def test_kernels_come_from_this_checkout():
+    """The kernels loaded are the ones beside this package (not another checkout's editable mapping)."""
+    from pathlib import Path
+
+    import lightning_resctl
+
+    root = Path(lightning_resctl.__file__).resolve().parent.parent
+    if (root / "kernels" / "__init__.py").exists():
+        assert Path(kernel_module("mgr").__file__).resolve() == root / "kernels" / "mgr.py"
+        assert Path(kernel_module("rescontroller").__file__).resolve() == root / "kernels" / "rescontroller.py"
