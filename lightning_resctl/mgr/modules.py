@@ -2,6 +2,8 @@
 :class:`MGRRun` (a hand-driven pass)."""
 from __future__ import annotations
 
+import math
+import numbers
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -17,6 +19,13 @@ from .reference import (B_BASE, GATINGS, L_BASE, RMS_EPS, MGRInit, attn_pool_ref
 
 __all__ = ["MGRPool", "MGRMerge", "MGRRun", "MGRChain", "BACKENDS"]
 
+def _check_real(name: str, value, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if positive and not float(value) > 0.0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
 #: Accepted backend names: the shared ones ("native" is an alias of "triton") plus the plain-autograd oracle.
 BACKENDS = ("auto", "torch", "triton", "native", "reference")
 
@@ -30,6 +39,11 @@ class MGRPool(nn.Module):
         super().__init__()
         self.dim = int(dim)
         self.pool_query = nn.Parameter(torch.zeros(self.dim))
+
+    def reset_parameters(self) -> None:
+        """The spec init: a zero query (the uniform mean of the streams). Works after ``to_empty``."""
+        with torch.no_grad():
+            self.pool_query.zero_()
 
     def forward(self, streams: Tensor) -> Tensor:
         """``streams`` (..., m, C) -> pooled (..., C)."""
@@ -53,13 +67,29 @@ class MGRMerge(nn.Module):
         super().__init__()
         self.index, self.dim, self.streams, self.gating = int(index), int(dim), int(streams), gating
         self.accumulating = bool(accumulating)
-        self.pool_query = nn.Parameter(torch.zeros(self.dim))
+        self.init = init or MGRInit(0.0, 0.0, 0.0, None)
+        self.pool_query = nn.Parameter(torch.empty(self.dim))
         if not self.accumulating:
-            init = init or MGRInit(0.0, 0.0, 0.0, None)
-            self.gate_query = nn.Parameter(torch.zeros(self.dim))
-            self.gate_bias = nn.Parameter(torch.full((self.streams,), float(init.gate_bias)))
+            self.gate_query = nn.Parameter(torch.empty(self.dim))
+            self.gate_bias = nn.Parameter(torch.empty(self.streams))
             if gating == "competitive":
-                self.forget_bias = nn.Parameter(torch.tensor(float(init.forget_bias or 0.0)))
+                self.forget_bias = nn.Parameter(torch.empty(()))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The spec init: zero queries, gate biases and forget bias from the depth-aware :attr:`init`.
+
+        Exactly the constructor's values, also after ``to_empty`` (meta-device init) and
+        :meth:`make_shardable`."""
+        with torch.no_grad():
+            self.pool_query.zero_()
+            if self.accumulating:
+                return
+            self.gate_query.zero_()
+            self.gate_bias.fill_(float(self.init.gate_bias))
+            forget = getattr(self, "forget_bias", None)
+            if forget is not None:
+                forget.fill_(float(self.init.forget_bias or 0.0))
 
     def gate_params(self):
         """``(gate_query, gate_bias, forget_bias or None)``; all None for an accumulating merge.
@@ -155,6 +185,13 @@ class MGRChain(nn.Module):
             raise ValueError(f"invert_threshold must be in (0, 1], got {invert_threshold!r}")
         if not invert_max_gain > 1.0:
             raise ValueError(f"invert_max_gain must be > 1, got {invert_max_gain!r}")
+        _check_real("eps", eps, positive=True)
+        _check_real("b_base", b_base)
+        if isinstance(l_base, bool) or not isinstance(l_base, numbers.Integral) or l_base < 1:
+            raise ValueError(f"l_base must be an int >= 1, got {l_base!r}")
+        _check_real("beta_init_max", beta_init_max)
+        if not 0.0 < beta_init_max < 1.0:
+            raise ValueError(f"beta_init_max must be in (0, 1), got {beta_init_max!r}")
         self.set_backend(backend)
         self.dim, self.num_merges, self.streams, self.gating = dim, num_merges, streams, gating
         self.invert = invert
@@ -175,6 +212,12 @@ class MGRChain(nn.Module):
         state["_run_ref"] = None  # per-forward inversion state is not part of the module
         state["_run_keep"] = None
         return state
+
+    def reset_parameters(self) -> None:
+        """The spec init of every merge and of the output pool (see :meth:`MGRMerge.reset_parameters`)."""
+        for merge in self.merges:
+            merge.reset_parameters()
+        self.output_pool.reset_parameters()
 
     # ---- configuration
     def set_backend(self, name: str) -> None:
@@ -246,6 +289,8 @@ class MGRChain(nn.Module):
         want = tuple(streams.shape[:-2]) + (self.dim,)
         if tuple(u.shape) != want:
             raise ValueError(f"u must have shape {want} (the streams' leading dims and C), got {tuple(u.shape)}")
+        if not u.is_floating_point():
+            raise TypeError(f"u must be floating point, got {u.dtype}")
         if u.dtype != streams.dtype:
             raise TypeError(f"u dtype {u.dtype} does not match the streams dtype {streams.dtype}")
         if u.device != streams.device:
@@ -280,9 +325,12 @@ class MGRChain(nn.Module):
         (the output pool after the last merge). Returns ``(streams', h_next)``; fused on the Triton path."""
         k = self._check_index(k)
         self._check_streams(k, streams)
-        if (isinstance(u, Tensor) and u.dtype != streams.dtype and u.is_floating_point()
-                and torch.is_autocast_enabled(streams.device.type)):
-            u = u.to(streams.dtype)  # under autocast a branch returns low precision; the streams keep theirs
+        if isinstance(u, Tensor) and u.dtype != streams.dtype and u.is_floating_point():
+            if torch.is_autocast_enabled(streams.device.type):
+                u = u.to(streams.dtype)  # under autocast a branch returns low precision; the streams keep theirs
+            else:  # type promotion as `stream + update` does
+                dtype = torch.result_type(streams, u)
+                streams, u = streams.to(dtype), u.to(dtype)
         self._check_update(streams, u)
         merge = self.merges[k]
         wq = self.next_query(k)
