@@ -604,3 +604,20 @@ def test_update_dtype_promotes_like_add(backend):
     sb = out.bfloat16()
     out4, h4 = chain.step(1, sb, torch.randn(3, 8))
     assert out4.dtype == h4.dtype == torch.float32
+
+
+@pytest.mark.skipif(not __import__("lightning_resctl.backends").backends.cpu_compile_available(),
+                    reason="no C++ compiler for inductor")
+@pytest.mark.parametrize("gating", ["competitive", "independent"])
+def test_compiled_torch_path_matches_eager(gating):
+    c, n = 24, 3
+    results = {}
+    for backend in ("torch-eager", "torch-compiled"):
+        chain = randomize(MGRChain(c, 5, streams=n, gating=gating, invert=False, backend=backend))
+        x = torch.randn(2, 5, c, generator=torch.Generator().manual_seed(3)).requires_grad_()
+        w = [torch.randn(c, c, generator=torch.Generator().manual_seed(10 + k)) / c ** 0.5 for k in range(5)]
+        y = chain(x, [lambda h, m=m: torch.tanh(h @ m) for m in w])
+        (y * torch.cos(torch.arange(y.numel()).reshape(y.shape))).sum().backward()
+        results[backend] = [y.detach(), x.grad] + [p.grad for p in chain.parameters()]
+    for got, want in zip(results["torch-compiled"], results["torch-eager"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

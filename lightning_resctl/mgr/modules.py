@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .._triton import triton_available, triton_runs_on
-from ..backends import check_backend
+from ..backends import check_backend, torch_mode
 from .inversion import _InvertRun
 from .ops import _MGRStepFn, _TieZeroGrad, _kernels
 from .reference import (B_BASE, GATINGS, L_BASE, RMS_EPS, MGRInit, attn_pool_reference, mgr_bias_init,
@@ -27,7 +27,7 @@ def _check_real(name: str, value, positive: bool = False) -> None:
 
 
 #: Accepted backend names: the shared ones ("native" is an alias of "triton") plus the plain-autograd oracle.
-BACKENDS = ("auto", "torch", "triton", "native", "reference")
+BACKENDS = ("auto", "torch", "triton", "native", "torch-eager", "torch-compiled", "reference")
 
 
 class MGRPool(nn.Module):
@@ -155,7 +155,8 @@ class MGRChain(nn.Module):
         streams: n >= 2.
         gating: ``"competitive"`` (softmax with a forget logit; gates sum to < 1) or ``"independent"``.
         invert: fallback inversion in the backward: True, False or ``"auto"`` (fp32/fp64 eager only).
-        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"reference"``.
+        backend: ``"auto"``, ``"torch"`` (= ``"torch-eager"``), ``"torch-compiled"``, ``"triton"`` (alias
+            ``"native"``) or ``"reference"``.
         b_base, l_base, beta_init_max: the depth-aware init (see :func:`mgr_bias_init`).
         invert_top_p, invert_threshold, invert_max_gain: which rows the inversion saves exactly.
         eps: RMSNorm epsilon.
@@ -221,7 +222,8 @@ class MGRChain(nn.Module):
 
     # ---- configuration
     def set_backend(self, name: str) -> None:
-        """Choose ``"auto"``, ``"torch"``, ``"triton"`` (alias ``"native"``) or ``"reference"``."""
+        """Choose ``"auto"``, ``"torch"``, ``"triton"`` (alias ``"native"``), ``"torch-eager"``,
+        ``"torch-compiled"`` or ``"reference"`` (see :mod:`lightning_resctl.backends`)."""
         name = check_backend(name, BACKENDS)
         if name == "triton" and not triton_available():
             raise RuntimeError("backend='triton' needs a CUDA device or TRITON_INTERPRET=1")
@@ -346,7 +348,11 @@ class MGRChain(nn.Module):
         if run is None and backend == "triton":
             out, h, _, _ = _kernels().mgr_step(streams, u, wq, gq, gb, fb, self.eps)
             return out, h
-        cfg = (backend, self.eps, run, k, k == self.num_merges - 1)
+        # MGR's torch path runs eagerly unless asked: its compiled region measured no faster on CPU (the step is
+        # dominated by batched matmuls); "torch-compiled" opts in.
+        mode = "triton" if backend == "triton" else torch_mode("torch-eager" if backend == "torch" else backend,
+                                                               streams)
+        cfg = (mode, self.eps, run, k, k == self.num_merges - 1)
         return _MGRStepFn.apply(streams, u, wq, gq, gb, fb, cfg)
 
     def skip(self, k: int, streams: Tensor) -> tuple[Tensor, Tensor]:

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..backends import load_kernels
+from ..backends import CompiledRegion, cpu_compile_available, load_kernels
 from .inversion import output_streams, reconstruct_inputs
 from .reference import _compute_dtype
 
@@ -140,14 +140,29 @@ def _kernels():
     return load_kernels("mgr")
 
 
+_COMPILED: dict = {}
+
+
+def _torch_fns(mode: str):
+    """(forward, backward) of the torch path: eager ops, or one compiled region each (mode "compiled")."""
+    if mode == "compiled" and not torch.compiler.is_compiling():
+        if "fns" not in _COMPILED:
+            _COMPILED["fns"] = ((CompiledRegion(_torch_step_forward), CompiledRegion(_torch_step_backward))
+                                if cpu_compile_available() else None)
+        if _COMPILED["fns"] is not None:
+            return _COMPILED["fns"]
+    return _torch_step_forward, _torch_step_backward
+
+
 def _step_forward(backend: str, streams, u, next_query, gate_query, gate_bias, forget_bias, eps):
+    """``backend``: "triton", or the torch path's mode ("eager" / "compiled")."""
     if backend == "triton":
         out, h, beta, a = _kernels().mgr_step_forward_raw(streams, u, next_query, gate_query, gate_bias, forget_bias,
                                                           eps)
         t = a.numel() // a.shape[-1] if a.dim() else 1
         beta = beta.reshape(t, -1) if gate_query is not None else None
         return out, h, beta, a.reshape(t, -1), None
-    return _torch_step_forward(streams, u, next_query, gate_query, gate_bias, forget_bias, eps)
+    return _torch_fns(backend)[0](streams, u, next_query, gate_query, gate_bias, forget_bias, eps)
 
 
 def _step_backward(backend: str, streams, u, beta, a, out, stats, next_query, gate_query, gate_bias, forget_bias,
@@ -155,8 +170,8 @@ def _step_backward(backend: str, streams, u, beta, a, out, stats, next_query, ga
     if backend == "triton":
         return _kernels().mgr_step_backward_raw(streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias,
                                                 grad_out, grad_h, eps)
-    return _torch_step_backward(streams, u, beta, a, out, stats, next_query, gate_query, forget_bias, grad_out,
-                                grad_h, eps)
+    return _torch_fns(backend)[1](streams, u, beta, a, out, stats, next_query, gate_query, forget_bias, grad_out,
+                                  grad_h, eps)
 
 
 class _MGRStepFn(torch.autograd.Function):
