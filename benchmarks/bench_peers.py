@@ -21,6 +21,7 @@ Thread count: the machine's default (``torch.get_num_threads()``) unless ``--thr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
@@ -40,6 +41,7 @@ STREAMS = 4
 OWN = [
     ("add", "add", {}),
     ("rescontroller", "rescontroller", {}),
+    ("rescontroller (torch-eager)", "rescontroller", {"backend": "torch-eager"}),
     ("mgr n=4 independent", "mgr", {"streams": STREAMS, "gating": "independent"}),
     ("mgr n=4 competitive", "mgr", {"streams": STREAMS, "gating": "competitive"}),
 ]
@@ -70,7 +72,8 @@ def own_installer(method: str, options: dict, example):
         except (TypeError, ValueError) as err:
             if "streams" not in options or "streams" not in str(err):
                 raise
-            patch_residuals(model, method=method, example_input=example)  # a rule without a stream count
+            rest = {k: v for k, v in options.items() if k != "streams"}
+            patch_residuals(model, method=method, example_input=example, **rest)  # a rule without a stream count
         return model
     return install
 
@@ -103,7 +106,7 @@ def variants(example) -> list[tuple[str, object, str | None]]:
     """(label, installer or None, note) for every variant after plain."""
     out = [(label, own_installer(method, opts, example), None) for label, method, opts in OWN]
     inst, note = mlbricks_installer()
-    out.insert(2, ("MLBricks ResController (torch path)", inst, note))
+    out.insert(3, ("MLBricks ResController (torch path)", inst, note))
     for kind, label in (("hc", "hyper-connections HC n=4"), ("mhc", "hyper-connections mHC n=4")):
         inst, note = hc_installer(kind)
         out.append((label, inst, note))
@@ -120,8 +123,12 @@ def variants(example) -> list[tuple[str, object, str | None]]:
 
 def run(args) -> list[dict]:
     torch.manual_seed(0)
-    base = NanoGPT(vocab_size=args.vocab, block_size=args.T, n_layer=args.layers, n_head=args.heads, n_embd=args.C)
-    idx = torch.randint(0, args.vocab, (args.batch, args.T), generator=torch.Generator().manual_seed(0))
+    device = torch.device(args.device)
+    base = NanoGPT(vocab_size=args.vocab, block_size=args.T, n_layer=args.layers, n_head=args.heads,
+                   n_embd=args.C).to(device)
+    idx = torch.randint(0, args.vocab, (args.batch, args.T), generator=torch.Generator().manual_seed(0)).to(device)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
+                else contextlib.nullcontext())
     example = idx[:2]
     rows = [{"label": "plain", "model": copy.deepcopy(base), "note": None}]
     for label, install, note in variants(example):
@@ -137,11 +144,17 @@ def run(args) -> list[dict]:
         r["opt"] = torch.optim.AdamW(r["model"].parameters(), lr=1e-4)
         r["times"] = []
 
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     def step(r):
-        loss = gpt_loss(r["model"], idx)
+        with autocast:
+            loss = gpt_loss(r["model"], idx)
         r["opt"].zero_grad(set_to_none=True)
         loss.backward()
         r["opt"].step()
+        sync()
 
     for r in live:  # first step: one-time costs (compiles, lazy kernel loads)
         t0 = time.perf_counter()
@@ -164,16 +177,33 @@ def run(args) -> list[dict]:
             r["times"].append(time.perf_counter() - t0)
     for r in live:
         r["median"] = statistics.median(r["times"])
-        r["saved"] = saved_tensor_bytes(gpt_loss, r["model"], idx, exclude=r["model"].parameters())[0]
+        with autocast:
+            r["saved"] = saved_tensor_bytes(gpt_loss, r["model"], idx, exclude=r["model"].parameters())[0]
     return rows
 
 
 def report(rows: list[dict], args) -> str:
     plain = rows[0]
     head = (f"nanoGPT {args.layers} layers, C={args.C}, T={args.T}, batch {args.batch}, training step (fwd+bwd+AdamW), "
-            f"fp32 CPU, threads={torch.get_num_threads()}, {args.reps} interleaved reps, median wall clock; "
-            f"torch {torch.__version__}")
+            f"{args.dtype} {args.device}, threads={torch.get_num_threads()}, {args.reps} interleaved reps, median "
+            f"wall clock; torch {torch.__version__}")
     print(head)
+    try:
+        import importlib
+
+        rc_mod = importlib.import_module("lightning_resctl.rescontroller")
+
+        fns = rc_mod._COMPILED.get("fns")
+        if fns:
+            cost = [f.first_call_s for f in fns]
+            fails = [f.failed for f in fns if f.failed]
+            print("ResController compiled CPU region, first call (compile) s: forward "
+                  f"{cost[0] if cost[0] is not None else float('nan'):.2f}, backward "
+                  f"{cost[1] if cost[1] is not None else float('nan'):.2f}" + (f"; FELL BACK: {fails}" if fails else ""))
+        else:
+            print("ResController compiled CPU region: not used (no C++ compiler, LIGHTNING_RESCTL_COMPILE=0 or GPU)")
+    except Exception:  # noqa: BLE001
+        pass
     print(f"plain: {plain['median'] * 1e3:.1f} ms/step, {plain['saved'] / 2**20:.1f} MiB saved for backward")
     print(f"{'variant':<40}{'step ratio':>11}{'saved ratio':>12}{'ms/step':>9}{'first step s':>13}  note")
     md = ["| variant | step-time ratio to plain | saved-bytes ratio |", "|---|---|---|"]
@@ -203,6 +233,8 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
