@@ -52,6 +52,7 @@ from ..memory import saved_tensor_bytes  # re-exported: it lived here first
 from .modules import BACKENDS, MGRChain, MGRMerge, MGRPool, MGRRun
 from .reference import (B_BASE, GATINGS, L_BASE, RMS_EPS, MGRInit, attn_pool_reference, mgr_bias_init,
                         mgr_gates_reference, mgr_merge_reference, mgr_step_reference, rms_norm)
+from .reference import _compute_dtype  # noqa: F401  (used by lightning_resctl.rules)
 
 __all__ = [
     "MGRChain", "MGRMerge", "MGRPool", "MGRRun", "MGRInit", "mgr_bias_init", "rms_norm",
