@@ -131,7 +131,10 @@ def run(args) -> list[dict]:
                 else contextlib.nullcontext())
     example = idx[:2]
     rows = [{"label": "plain", "model": copy.deepcopy(base), "note": None}]
+    only = [o.strip() for o in args.only.split(",")] if args.only else None
     for label, install, note in variants(example):
+        if only is not None and label not in only:
+            continue
         row = {"label": label, "model": None, "note": note}
         if install is not None:
             try:
@@ -233,6 +236,7 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--only", default="", help="comma-separated variant labels to run (default: all)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast")
     args = p.parse_args(argv)
