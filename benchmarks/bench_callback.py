@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_resctl.callbacks import ResidualControlCallback  # noqa: E402
 from lightning_resctl.surgery import patch_residuals  # noqa: E402
-from models import NanoGPT  # noqa: E402
+from lightning_resctl.testing.models import NanoGPT  # noqa: E402
 
 
 class Lit(L.LightningModule):

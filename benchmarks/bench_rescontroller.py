@@ -146,10 +146,8 @@ def bench_merge(device, rows_for, dtypes, widths, reps):
 # part 2: a 12-layer GPT, controller in every merge vs plain addition
 # ----------------------------------------------------------------------------------------------
 def _load_test_model():
-    """tests/models.NanoGPT and tests/merge_wiring.wire_merges."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from merge_wiring import wire_merges
-    from models import NanoGPT
+    """The benchmarks' nanoGPT and hand wiring (lightning_resctl.testing.models)."""
+    from lightning_resctl.testing.models import NanoGPT, wire_merges
 
     return NanoGPT, wire_merges
 

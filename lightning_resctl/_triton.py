@@ -15,27 +15,26 @@ import torch
 def _load_kernels_package() -> ModuleType:
     """Import ``lightning_resctl.kernels``.
 
-    Installed distributions map the top-level ``kernels/`` folder to
-    ``lightning_resctl.kernels``. When the package is imported straight from a
-    source checkout that was installed non-editably (``pip install .`` run from
-    the repo root shadows the installed copy), that mapping is not on the path:
-    load the checkout's ``kernels/`` folder under the same name instead.
+    Installed distributions map the top-level ``kernels/`` folder to ``lightning_resctl.kernels``. When the
+    package is imported from a source checkout (a ``kernels/`` folder and a ``pyproject.toml`` beside it), the
+    checkout's own ``kernels/`` is loaded under that name: an installed mapping (an editable install of another
+    checkout or worktree, or a non-editable ``pip install .``) could otherwise pair this package with kernels of
+    a different version.
     """
-    try:
-        return importlib.import_module("lightning_resctl.kernels")
-    except ModuleNotFoundError as err:
-        if err.name != "lightning_resctl.kernels":
-            raise
-    folder = Path(__file__).resolve().parent.parent / "kernels"
-    spec = importlib.util.spec_from_file_location(
-        "lightning_resctl.kernels", folder / "__init__.py", submodule_search_locations=[str(folder)]
-    )
-    if spec is None or not (folder / "__init__.py").exists():
-        raise ModuleNotFoundError("lightning_resctl.kernels is not installed", name="lightning_resctl.kernels")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["lightning_resctl.kernels"] = module
-    spec.loader.exec_module(module)
-    return module
+    loaded = sys.modules.get("lightning_resctl.kernels")
+    if loaded is not None:
+        return loaded
+    root = Path(__file__).resolve().parent.parent
+    folder = root / "kernels"
+    if (folder / "__init__.py").exists() and (root / "pyproject.toml").exists():
+        spec = importlib.util.spec_from_file_location(
+            "lightning_resctl.kernels", folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["lightning_resctl.kernels"] = module
+        spec.loader.exec_module(module)
+        return module
+    return importlib.import_module("lightning_resctl.kernels")
 
 
 def kernel_module(name: str) -> ModuleType:

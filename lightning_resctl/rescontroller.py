@@ -40,7 +40,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ._triton import interpreter_mode, kernel_module, triton_available
+from ._triton import triton_available
+from .backends import (BACKENDS, CompiledRegion, check_backend, cpu_compile_available, load_kernels, torch_mode,
+                       triton_runs_on_device)
 
 __all__ = [
     "ControllerScales",
@@ -51,8 +53,7 @@ __all__ = [
     "BACKENDS",
 ]
 
-#: Accepted backend names ("native" is an alias of "triton", for users coming from MLBricks).
-BACKENDS = ("auto", "triton", "torch", "native")
+# BACKENDS (shared with MGR, lightning_resctl.backends): "auto", "torch", "triton", "native" (alias of triton).
 
 _DEFAULTS = dict(update_ratio=0.18, stream_ratio=1.08, update_softness=8.0, stream_softness=8.0, eps=1e-12)
 
@@ -104,11 +105,7 @@ def _check_dim(dim, ndim: int) -> int:
 
 
 def _check_backend(backend) -> str:
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be one of {BACKENDS}, got {backend!r} ({type(backend).__name__})")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return "triton" if backend == "native" else backend
+    return check_backend(backend, BACKENDS)
 
 
 def _check_tensors(residual, update, dim) -> int:
@@ -139,25 +136,53 @@ def _compute_dtype(residual: Tensor, update: Tensor) -> torch.dtype:
 
 
 # --------------------------------------------------------------------------------------------
+# row scaling: the moments of rows of magnitude >= 2^32 are taken of r / k, u / k
+# --------------------------------------------------------------------------------------------
+#: Rows whose max-abs reaches this are scaled down before squaring (below it, k = 1: nothing changes).
+SCALE_THRESHOLD = 2.0 ** 32
+
+
+def _row_inv_scale(r: Tensor, u: Tensor, dim: int) -> Tensor:
+    """Per row (keepdim) ``1 / k`` with ``k`` a power of two near the row's max-abs when that is >= 2^32, else 1.
+
+    The rule is scale-invariant except for ``eps``, so computing it on ``r / k``, ``u / k`` with ``eps / k^2``
+    inside square roots and ``eps / k`` beside the RMS values gives the same result without overflowing the
+    squares (rows ~1e20 in fp32); powers of two scale exactly. Non-finite rows keep k = 1 (NaN/inf propagate
+    as before). Not differentiated: the result does not depend on k."""
+    with torch.no_grad():
+        mx = torch.maximum(torch.linalg.vector_norm(r, float("inf"), dim=dim, keepdim=True),
+                           torch.linalg.vector_norm(u, float("inf"), dim=dim, keepdim=True))
+        big = (mx >= SCALE_THRESHOLD) & (mx < float("inf"))
+        return torch.where(big, torch.exp2(-torch.floor(torch.log2(mx))), torch.ones_like(mx))
+
+
+# --------------------------------------------------------------------------------------------
 # the oracle
 # --------------------------------------------------------------------------------------------
 def _reference_scales(r: Tensor, u: Tensor, ur, sr, ku, ks, eps, dim: int):
-    """The spec's per-row chain in plain torch ops (keepdim); returns (s_u, s_s, p_u, p_s)."""
+    """The spec's per-row chain in plain torch ops (keepdim); returns (s_u, s_s, p_u, p_s).
+
+    Rows of magnitude >= 2^32 are computed on ``r / k``, ``u / k`` (see :func:`_row_inv_scale`): ``eps2`` is
+    eps inside square roots, ``eps1`` eps beside the RMS values (both ``eps`` when k = 1)."""
+    inv_k = _row_inv_scale(r, u, dim)
+    r, u = r * inv_k, u * inv_k
+    eps1 = eps * inv_k
+    eps2 = eps1 * inv_k
     mrr = (r * r).mean(dim, keepdim=True)
     muu = (u * u).mean(dim, keepdim=True)
     mru = (r * u).mean(dim, keepdim=True)
-    R = torch.sqrt(mrr + eps)
-    U = torch.sqrt(muu + eps)
+    R = torch.sqrt(mrr + eps2)
+    U = torch.sqrt(muu + eps2)
     A_u = ur * R
-    hard_u = (A_u / (U + eps)).clamp(max=1.0)
-    p_u = U / (A_u + eps)
+    hard_u = (A_u / (U + eps1)).clamp(max=1.0)
+    p_u = U / (A_u + eps1)
     g_u = torch.sigmoid(ku * (p_u - 1.0))
     s_u = 1.0 - g_u * (1.0 - hard_u)
     # RMS of the candidate stream r + s_u u, from the three row moments
-    C = torch.sqrt((mrr + 2.0 * s_u * mru + s_u * s_u * muu).clamp(min=0.0) + eps)
+    C = torch.sqrt((mrr + 2.0 * s_u * mru + s_u * s_u * muu).clamp(min=0.0) + eps2)
     A_s = sr * R
-    hard_s = (A_s / (C + eps)).clamp(max=1.0)
-    p_s = C / (A_s + eps)
+    hard_s = (A_s / (C + eps1)).clamp(max=1.0)
+    p_s = C / (A_s + eps1)
     g_s = torch.sigmoid(ks * (p_s - 1.0))
     s_s = 1.0 - g_s * (1.0 - hard_s)
     return s_u, s_s, p_u, p_s
@@ -230,95 +255,139 @@ def rescontroller_scales(
 # --------------------------------------------------------------------------------------------
 # the lean torch path: closed-form backward, saves r, u and per-row scalars only
 # --------------------------------------------------------------------------------------------
-class _ResControllerFunction(torch.autograd.Function):
-    """``out = r + s_u s_s u`` with the closed-form backward.
+def _lean_forward(residual: Tensor, update: Tensor, ur: float, sr: float, ku: float, ks: float, eps: float, dim: int):
+    """Forward math of the lean path: ``(out, stats)``, stats = the 13 per-row scalars the backward reuses.
 
-    Forward: the three row moments mean(r²), mean(u²), mean(ru), the per-row chain, one
-    ``addcmul``. Saved for backward: ``r``, ``u`` (the caller's tensors, not copies) and one
-    stack of 12 per-row scalars (the feature dim of size 12). Backward: one reduction Σ g·u per row, then
-    ``grad_r = g + c_rr r + c_ru u`` and ``grad_u = a g + c_uu u + c_ru r``.
+    Three row moments (of ``r / k``, ``u / k``; k = 1 unless the row is huge, see :func:`_row_inv_scale`),
+    the per-row chain, one ``addcmul``. Plain torch ops: run eagerly or as one compiled region."""
+    cdt = _compute_dtype(residual, update)
+    r, u = residual.to(cdt), update.to(cdt)
+    d = r.shape[dim]
+    inv_k = _row_inv_scale(r, u, dim)
+    rs, us = r * inv_k, u * inv_k
+    eps1 = inv_k * eps
+    eps2 = eps1 * inv_k
+    mrr = torch.linalg.vector_norm(rs, dim=dim, keepdim=True).square_().div_(d)
+    muu = torch.linalg.vector_norm(us, dim=dim, keepdim=True).square_().div_(d)
+    mru = torch.linalg.vecdot(rs, us, dim=dim).unsqueeze_(dim).div_(d)
+    R = (mrr + eps2).sqrt_()
+    U = (muu + eps2).sqrt_()
+    A_u = R * ur
+    x_u = A_u / (U + eps1)
+    hard_u = x_u.clamp(max=1.0)
+    p_u = U / (A_u + eps1)
+    g_u = torch.sigmoid(ku * (p_u - 1.0))
+    s_u = 1.0 - g_u * (1.0 - hard_u)
+    m = mrr + 2.0 * s_u * mru + s_u * s_u * muu
+    C = (m.clamp(min=0.0) + eps2).sqrt_()
+    A_s = R * sr
+    x_s = A_s / (C + eps1)
+    hard_s = x_s.clamp(max=1.0)
+    p_s = C / (A_s + eps1)
+    g_s = torch.sigmoid(ks * (p_s - 1.0))
+    s_s = 1.0 - g_s * (1.0 - hard_s)
+    a = s_u * s_s
+    out = torch.addcmul(r, a, u).to(torch.promote_types(residual.dtype, update.dtype))
+    stats = torch.cat([mru, muu, s_u, s_s, g_u, g_s, x_u, x_s, m, R, U, C, inv_k], dim=dim)
+    return out, stats
+
+
+def _lean_backward(grad_out: Tensor, residual: Tensor, update: Tensor, stats: Tensor, ur: float, sr: float,
+                   ku: float, ks: float, eps: float, dim: int):
+    """Closed-form backward of :func:`_lean_forward`: ``(grad_r, grad_u)`` in the inputs' dtypes.
+
+    In the scaled frame (r' = r / k): the chain's derivative with ``Σ g u'`` gives coefficients ``c'`` of
+    ``grad_r' = c'_rr r' + c'_ru u'``; then ``grad_r = g + (c'_rr / k) r + (c'_ru / k) u`` (k held fixed: the
+    rule does not depend on it), and ``grad_u = a g + (c'_uu / k) u + (c'_ru / k) r``."""
+    cdt = stats.dtype
+    d = residual.shape[dim]
+    mru, muu, s_u, s_s, g_u, g_s, x_u, x_s, m, R, U, C, inv_k = stats.split(1, dim=dim)
+    r, u, g = residual.to(cdt), update.to(cdt), grad_out.to(cdt)
+    eps1 = inv_k * eps
+    a = s_u * s_s
+    ga = torch.linalg.vecdot(g, u, dim=dim).unsqueeze_(dim) * inv_k  # dL/da / k = Σ g u'
+    gs_u = ga * s_s
+    gs_s = ga * s_u
+    # s_s = 1 - g_s (1 - hard_s), g_s = sigmoid(ks (p_s - 1)), p_s = C / (A_s + eps)
+    hard_s = x_s.clamp(max=1.0)
+    A_s_eps = R * sr + eps1
+    gp_s = gs_s * (hard_s - 1.0) * (ks * g_s * (1.0 - g_s))
+    gx_s = (gs_s * g_s).masked_fill_(x_s > 1.0, 0.0)  # hard_s = min(x_s, 1), x_s = A_s / (C + eps)
+    C_eps = C + eps1
+    gC = gp_s / A_s_eps - gx_s * x_s / C_eps
+    gA_s = gx_s / C_eps - gp_s * C / (A_s_eps * A_s_eps)
+    # C = sqrt(max(m, 0) + eps), m = mrr + 2 s_u mru + s_u² muu
+    gm = (gC / (2.0 * C)).masked_fill_(m < 0.0, 0.0)
+    gs_u = gs_u + gm * 2.0 * (mru + s_u * muu)
+    # s_u = 1 - g_u (1 - hard_u), g_u = sigmoid(ku (p_u - 1)), p_u = U / (A_u + eps)
+    hard_u = x_u.clamp(max=1.0)
+    A_u_eps = R * ur + eps1
+    U_eps = U + eps1
+    gp_u = gs_u * (hard_u - 1.0) * (ku * g_u * (1.0 - g_u))
+    gx_u = (gs_u * g_u).masked_fill_(x_u > 1.0, 0.0)  # hard_u = min(x_u, 1), x_u = A_u / (U + eps)
+    gU = gp_u / A_u_eps - gx_u * x_u / U_eps
+    gA_u = gx_u / U_eps - gp_u * U / (A_u_eps * A_u_eps)
+    gR = gA_s * sr + gA_u * ur
+    # R = sqrt(mrr + eps), U = sqrt(muu + eps); mrr = Σr²/d, muu = Σu²/d, mru = Σru/d (scaled frame)
+    c_rr = (gR / R + 2.0 * gm) * (inv_k / d)  # coefficient of r in grad_r  (= 2 dL/dmrr / d)
+    c_uu = (gU / U + 2.0 * gm * s_u * s_u) * (inv_k / d)  # coefficient of u in grad_u
+    c_ru = (2.0 * gm * s_u) * (inv_k / d)  # coefficient of u in grad_r and of r in grad_u
+    grad_r = torch.addcmul(g, c_rr, r).addcmul_(c_ru, u).to(residual.dtype)
+    grad_u = torch.mul(g, a).addcmul_(c_uu, u).addcmul_(c_ru, r).to(update.dtype)
+    return grad_r, grad_u
+
+
+class _ResControllerFunction(torch.autograd.Function):
+    """``out = r + s_u s_s u`` with the closed-form backward (:func:`_lean_forward`, :func:`_lean_backward`).
+
+    Saved for backward: ``r``, ``u`` (the caller's tensors, not copies) and one stack of 13 per-row scalars
+    (the feature dim of size 13). Backward: one reduction Σ g·u per row, then
+    ``grad_r = g + c_rr r + c_ru u`` and ``grad_u = a g + c_uu u + c_ru r``. ``mode`` picks eager or compiled
+    math (see :func:`_math_fns`).
     """
 
     @staticmethod
-    def forward(ctx, residual, update, ur, sr, ku, ks, eps, dim):
-        cdt = _compute_dtype(residual, update)
-        r, u = residual.to(cdt), update.to(cdt)
-        d = r.shape[dim]
-        mrr = torch.linalg.vector_norm(r, dim=dim, keepdim=True).square_().div_(d)
-        muu = torch.linalg.vector_norm(u, dim=dim, keepdim=True).square_().div_(d)
-        mru = torch.linalg.vecdot(r, u, dim=dim).unsqueeze_(dim).div_(d)
-        R = (mrr + eps).sqrt_()
-        U = (muu + eps).sqrt_()
-        A_u = R * ur
-        x_u = A_u / (U + eps)
-        hard_u = x_u.clamp(max=1.0)
-        p_u = U / (A_u + eps)
-        g_u = torch.sigmoid(ku * (p_u - 1.0))
-        s_u = 1.0 - g_u * (1.0 - hard_u)
-        m = mrr + 2.0 * s_u * mru + s_u * s_u * muu
-        C = (m.clamp(min=0.0) + eps).sqrt_()
-        A_s = R * sr
-        x_s = A_s / (C + eps)
-        hard_s = x_s.clamp(max=1.0)
-        p_s = C / (A_s + eps)
-        g_s = torch.sigmoid(ks * (p_s - 1.0))
-        s_s = 1.0 - g_s * (1.0 - hard_s)
-        a = s_u * s_s
-        out = torch.addcmul(r, a, u).to(torch.promote_types(residual.dtype, update.dtype))
+    def forward(ctx, residual, update, ur, sr, ku, ks, eps, dim, mode="eager"):
+        fwd, _ = _math_fns(mode)
+        out, stats = fwd(residual, update, ur, sr, ku, ks, eps, dim)
         if any(ctx.needs_input_grad[:2]):
-            stats = torch.cat([mru, muu, s_u, s_s, g_u, g_s, x_u, x_s, m, R, U, C], dim=dim)
             ctx.save_for_backward(residual, update, stats)
-            ctx.opts = (ur, sr, ku, ks, eps, dim, d)
+            ctx.opts = (ur, sr, ku, ks, eps, dim, mode)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         residual, update, stats = ctx.saved_tensors
-        ur, sr, ku, ks, eps, dim, d = ctx.opts
-        cdt = stats.dtype
-        mru, muu, s_u, s_s, g_u, g_s, x_u, x_s, m, R, U, C = stats.split(1, dim=dim)
-        r, u, g = residual.to(cdt), update.to(cdt), grad_out.to(cdt)
-        a = s_u * s_s
-        ga = torch.linalg.vecdot(g, u, dim=dim).unsqueeze_(dim)  # dL/da = Σ g u
-        gs_u = ga * s_s
-        gs_s = ga * s_u
-        # s_s = 1 - g_s (1 - hard_s), g_s = sigmoid(ks (p_s - 1)), p_s = C / (A_s + eps)
-        hard_s = x_s.clamp(max=1.0)
-        A_s_eps = R * sr + eps
-        gp_s = gs_s * (hard_s - 1.0) * (ks * g_s * (1.0 - g_s))
-        gx_s = (gs_s * g_s).masked_fill_(x_s > 1.0, 0.0)  # hard_s = min(x_s, 1), x_s = A_s / (C + eps)
-        C_eps = C + eps
-        gC = gp_s / A_s_eps - gx_s * x_s / C_eps
-        gA_s = gx_s / C_eps - gp_s * C / (A_s_eps * A_s_eps)
-        # C = sqrt(max(m, 0) + eps), m = mrr + 2 s_u mru + s_u² muu
-        gm = (gC / (2.0 * C)).masked_fill_(m < 0.0, 0.0)
-        gs_u = gs_u + gm * 2.0 * (mru + s_u * muu)
-        # s_u = 1 - g_u (1 - hard_u), g_u = sigmoid(ku (p_u - 1)), p_u = U / (A_u + eps)
-        hard_u = x_u.clamp(max=1.0)
-        A_u_eps = R * ur + eps
-        U_eps = U + eps
-        gp_u = gs_u * (hard_u - 1.0) * (ku * g_u * (1.0 - g_u))
-        gx_u = (gs_u * g_u).masked_fill_(x_u > 1.0, 0.0)  # hard_u = min(x_u, 1), x_u = A_u / (U + eps)
-        gU = gp_u / A_u_eps - gx_u * x_u / U_eps
-        gA_u = gx_u / U_eps - gp_u * U / (A_u_eps * A_u_eps)
-        gR = gA_s * sr + gA_u * ur
-        # R = sqrt(mrr + eps), U = sqrt(muu + eps); mrr = Σr²/d, muu = Σu²/d, mru = Σru/d
-        c_rr = (gR / R + 2.0 * gm) / d  # coefficient of r in grad_r  (= 2 dL/dmrr / d)
-        c_uu = (gU / U + 2.0 * gm * s_u * s_u) / d  # coefficient of u in grad_u
-        c_ru = (2.0 * gm * s_u) / d  # coefficient of u in grad_r and of r in grad_u
-        grad_r = grad_u = None
-        if ctx.needs_input_grad[0]:
-            grad_r = torch.addcmul(g, c_rr, r).addcmul_(c_ru, u).to(residual.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_u = torch.mul(g, a).addcmul_(c_uu, u).addcmul_(c_ru, r).to(update.dtype)
-        return grad_r, grad_u, None, None, None, None, None, None
+        ur, sr, ku, ks, eps, dim, mode = ctx.opts
+        _, bwd = _math_fns(mode)
+        grad_r, grad_u = bwd(grad_out, residual, update, stats, ur, sr, ku, ks, eps, dim)
+        return (grad_r if ctx.needs_input_grad[0] else None, grad_u if ctx.needs_input_grad[1] else None,
+                None, None, None, None, None, None, None)
 
 
-def _rescontroller_torch(residual, update, ur, sr, ku, ks, eps, dim):
-    return _ResControllerFunction.apply(residual, update, ur, sr, ku, ks, eps, dim)
+def _math_fns(mode: str):
+    """(forward, backward) math: eager torch ops, or their compiled region (mode "compiled")."""
+    if mode == "compiled":
+        compiled = _compiled_math()
+        if compiled is not None:
+            return compiled
+    return _lean_forward, _lean_backward
 
 
-_KERNELS_LOADED = False
+_COMPILED: dict = {}
+
+
+def _compiled_math():
+    """The forward and backward math as compiled regions (built once), or None without a C++ compiler."""
+    if "fns" not in _COMPILED:
+        _COMPILED["fns"] = ((CompiledRegion(_lean_forward), CompiledRegion(_lean_backward))
+                            if cpu_compile_available() else None)
+    return _COMPILED["fns"]
+
+
+def _rescontroller_torch(residual, update, ur, sr, ku, ks, eps, dim, backend="torch"):
+    mode = torch_mode(backend, residual)
+    return _ResControllerFunction.apply(residual, update, ur, sr, ku, ks, eps, dim, mode)
 
 
 @torch.compiler.assume_constant_result
@@ -327,10 +396,7 @@ def _load_kernels() -> bool:
 
     ``assume_constant_result`` lets ``torch.compile`` run this once at trace time instead of
     tracing the import (which would break the graph)."""
-    global _KERNELS_LOADED
-    if not _KERNELS_LOADED:
-        kernel_module("rescontroller")
-        _KERNELS_LOADED = True
+    load_kernels("rescontroller")
     return True
 
 
@@ -351,12 +417,7 @@ def _rescontroller_triton(residual, update, ur, sr, ku, ks, eps, dim):
 # --------------------------------------------------------------------------------------------
 # dispatch
 # --------------------------------------------------------------------------------------------
-@torch.compiler.assume_constant_result
-def _triton_runs_on_device(device_type: str) -> bool:
-    """Whether the Triton kernels run on tensors of ``device_type`` (constant under torch.compile)."""
-    if not triton_available():
-        return False
-    return device_type == "cuda" or (device_type == "cpu" and interpreter_mode())
+_triton_runs_on_device = triton_runs_on_device
 
 
 def _resolve(backend: str, tensor: Tensor | None) -> str:
@@ -388,15 +449,17 @@ def rescontroller(
 
     ``dim`` is the feature dim (-1 for sequence models, 1 for channels-first conv nets).
     ``backend``: "auto" (Triton for CUDA tensors when Triton works, else torch), "triton"
-    (alias "native"), or "torch" (the lean autograd.Function). Output dtype: the promoted
-    input dtype; math in fp32 (fp64 for fp64 inputs).
+    (alias "native"), or "torch" (the lean autograd.Function; on CPU its math runs as one compiled
+    region per direction when a C++ compiler is present — "torch-eager" / "torch-compiled" force
+    either, see :mod:`lightning_resctl.backends`). Output dtype: the promoted input dtype; math in
+    fp32 (fp64 for fp64 inputs).
     """
     backend = _check_backend(backend)
     dim = _check_tensors(residual, update, dim)
     opts = _check_options(update_ratio, stream_ratio, update_softness, stream_softness, eps)
     if _resolve(backend, residual) == "triton":
         return _rescontroller_triton(residual, update, *opts, dim)
-    return _rescontroller_torch(residual, update, *opts, dim)
+    return _rescontroller_torch(residual, update, *opts, dim, backend)
 
 
 class ResController(nn.Module):

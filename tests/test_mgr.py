@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_resctl.memory import saved_tensor_bytes
 from lightning_resctl.mgr import (MGRChain, MGRMerge, MGRPool, attn_pool_reference, mgr_bias_init,
-                                  mgr_gates_reference, mgr_merge_reference)
+                                  mgr_gates_reference, mgr_merge_reference, mgr_step_reference)
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 GATINGS = ("competitive", "independent")
@@ -484,8 +484,8 @@ def test_bad_inputs_name_the_argument():
         chain.step(1, streams, x)                      # merge 1 expects 2 streams
     with pytest.raises(ValueError, match="u must have shape"):
         chain.step(0, streams, torch.randn(3, 9))
-    with pytest.raises(TypeError, match="u dtype"):
-        chain.step(0, streams, x.double())
+    with pytest.raises(TypeError, match="u must be floating point"):
+        chain.step(0, streams, x.long())
     with pytest.raises(IndexError, match="k=4"):
         chain.step(4, torch.randn(3, 2, 8), x)
     with pytest.raises(IndexError, match="k=-1"):
@@ -499,3 +499,125 @@ def test_bad_inputs_name_the_argument():
         run.write(x)
     with pytest.raises(ValueError, match="branches"):
         chain(x, [torch.tanh])
+
+
+def test_backend_names_shared_with_rescontroller():
+    from lightning_resctl import backends
+    from lightning_resctl.rescontroller import ResController
+
+    for name in ("auto", "torch", "triton", "native"):
+        chain = MGRChain(8, 4, streams=2, backend=name)
+        ctrl = ResController(backend=name)
+        assert chain.backend == ctrl.backend == backends.check_backend(name)
+    assert MGRChain(8, 4, streams=2, backend="native").backend == "triton"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        MGRChain(8, 4, streams=2, backend="cuda")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ResController(backend="reference")  # MGR's extra oracle backend only
+    with pytest.raises(TypeError, match="backend"):
+        MGRChain(8, 4, streams=2, backend=None)
+
+
+def test_package_layout_keeps_public_names():
+    import lightning_resctl.mgr as mgr
+
+    for name in ("MGRChain", "MGRMerge", "MGRPool", "MGRRun", "MGRInit", "attn_pool_reference", "mgr_gates_reference",
+                 "mgr_merge_reference", "mgr_step_reference", "rms_norm", "mgr_bias_init", "GATINGS", "BACKENDS",
+                 "saved_tensor_bytes"):
+        assert hasattr(mgr, name), name
+    assert mgr.MGRChain.__module__ == "lightning_resctl.mgr.modules"
+    assert mgr.mgr_step_reference.__module__ == "lightning_resctl.mgr.reference"
+
+
+@pytest.mark.parametrize("gating", ["competitive", "independent"])
+@pytest.mark.parametrize("streams", [2, 4])
+def test_meta_init_then_reset_parameters_is_the_normal_init(gating, streams):
+    torch.manual_seed(0)
+    normal = MGRChain(16, 9, streams=streams, gating=gating)
+    with torch.device("meta"):
+        meta = MGRChain(16, 9, streams=streams, gating=gating)
+    meta = meta.to_empty(device="cpu")
+    for p in meta.parameters():
+        p.data.fill_(2.2e12)  # what uninitialised memory may hold
+    for mod in meta.modules():
+        if hasattr(mod, "reset_parameters"):
+            mod.reset_parameters()
+    want = dict(normal.named_parameters())
+    got = dict(meta.named_parameters())
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    gated = [m for m in meta.merges if not m.accumulating]
+    assert gated and all(m.gate_bias.abs().max() < 10 for m in gated)
+
+
+def test_reset_parameters_restores_init_after_training_and_sharding():
+    chain = MGRChain(8, 6, streams=3, gating="competitive")
+    init = {k: v.clone() for k, v in chain.state_dict().items()}
+    with torch.no_grad():
+        for p in chain.parameters():
+            p.add_(1.0)
+    for m in chain.merges:
+        m.make_shardable()
+    chain.reset_parameters()
+    for k, v in chain.state_dict().items():
+        torch.testing.assert_close(v.reshape(init[k].shape), init[k], rtol=0, atol=0)
+    pool = MGRPool(5)
+    pool.pool_query.data.fill_(3.0)
+    pool.reset_parameters()
+    assert torch.equal(pool.pool_query, torch.zeros(5))
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(eps=0.0), "eps"), (dict(eps=-1e-6), "eps"), (dict(eps=float("nan")), "eps"),
+    (dict(b_base=float("nan")), "b_base"), (dict(b_base=float("inf")), "b_base"),
+    (dict(l_base=0), "l_base"), (dict(l_base=2.5), "l_base"), (dict(l_base=True), "l_base"),
+    (dict(beta_init_max=0.0), "beta_init_max"), (dict(beta_init_max=1.0), "beta_init_max"),
+    (dict(beta_init_max=float("nan")), "beta_init_max"),
+])
+def test_chain_options_are_validated(kwargs, name):
+    value = next(iter(kwargs.values()))
+    with pytest.raises(ValueError, match=rf"{name}.*{value!r}".replace("(", r"\(").replace(")", r"\)")):
+        MGRChain(8, 4, streams=2, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_update_dtype_promotes_like_add(backend):
+    chain = randomize(MGRChain(8, 4, streams=2, backend=backend, invert=False))
+    x = torch.randn(3, 8)
+    s, h = chain.start(x)
+    u = torch.randn(3, 8, dtype=torch.float64)
+    assert (x + u).dtype == torch.float64
+    out, h = chain.step(0, s, u)
+    assert out.dtype == h.dtype == torch.result_type(s, u)
+    ref, href = mgr_step_reference(s.double(), u, chain.merges[1].pool_query)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(h, href)
+    u1 = torch.randn(3, 8)
+    out2, h2 = chain.step(1, out, u1)  # fp64 streams + fp32 update stay fp64
+    assert out2.dtype == h2.dtype == torch.float64
+    ref, href = mgr_step_reference(out, u1.double(), chain.merges[2].pool_query, *chain.merges[1].gate_params(),
+                                   gating=chain.gating)
+    torch.testing.assert_close(out2, ref)
+    torch.testing.assert_close(h2, href)
+    # bf16 streams with an fp32 update: fp32, like bf16 + fp32
+    sb = out.bfloat16()
+    out4, h4 = chain.step(1, sb, torch.randn(3, 8))
+    assert out4.dtype == h4.dtype == torch.float32
+
+
+@pytest.mark.skipif(not __import__("lightning_resctl.backends").backends.cpu_compile_available(),
+                    reason="no C++ compiler for inductor")
+@pytest.mark.parametrize("gating", ["competitive", "independent"])
+def test_compiled_torch_path_matches_eager(gating):
+    c, n = 24, 3
+    results = {}
+    for backend in ("torch-eager", "torch-compiled"):
+        chain = randomize(MGRChain(c, 5, streams=n, gating=gating, invert=False, backend=backend))
+        x = torch.randn(2, 5, c, generator=torch.Generator().manual_seed(3)).requires_grad_()
+        w = [torch.randn(c, c, generator=torch.Generator().manual_seed(10 + k)) / c ** 0.5 for k in range(5)]
+        y = chain(x, [lambda h, m=m: torch.tanh(h @ m) for m in w])
+        (y * torch.cos(torch.arange(y.numel()).reshape(y.shape))).sum().backward()
+        results[backend] = [y.detach(), x.grad] + [p.grad for p in chain.parameters()]
+    for got, want in zip(results["torch-compiled"], results["torch-eager"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -137,3 +137,72 @@ def test_chain_on_triton_matches_reference(gating, invert):
 def test_kernel_rejects_more_than_eight_streams(kern):
     with pytest.raises(ValueError, match="up to 8 streams"):
         kern.mgr_step(torch.randn(2, 9, 5), torch.randn(2, 5), torch.zeros(5), None, None, None, 1e-6)
+
+
+def test_kernels_come_from_this_checkout():
+    """The kernels loaded are the ones beside this package (not another checkout's editable mapping)."""
+    from pathlib import Path
+
+    import lightning_resctl
+
+    root = Path(lightning_resctl.__file__).resolve().parent.parent
+    if (root / "kernels" / "__init__.py").exists():
+        assert Path(kernel_module("mgr").__file__).resolve() == root / "kernels" / "mgr.py"
+        assert Path(kernel_module("rescontroller").__file__).resolve() == root / "kernels" / "rescontroller.py"
+
+
+# ----------------------------------------------------------------------------------------------
+# device checks: both rules' kernels, forward and backward, against the references. Named test_device_* so
+# that benchmarks/gpu_check.sh selects them (-k device_) and runs them on CUDA with TRITON_INTERPRET=0
+# (LIGHTNING_RESCTL_TEST_DEVICE=cuda); the normal suite runs them on CPU under the interpreter.
+# ----------------------------------------------------------------------------------------------
+import os  # noqa: E402
+
+DEVICE = os.environ.get("LIGHTNING_RESCTL_TEST_DEVICE", "cpu")
+
+
+def _on(t):
+    return t.to(DEVICE) if isinstance(t, torch.Tensor) else t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 37), (3, 2, 301)])
+@pytest.mark.parametrize("scale", [1.0, 1e20])
+def test_device_rescontroller_kernels_match_reference(dtype, shape, scale):
+    from lightning_resctl.rescontroller import rescontroller, rescontroller_reference
+
+    g = torch.Generator().manual_seed(7)
+    r = (torch.randn(shape, generator=g, dtype=torch.float64) * scale)
+    u = torch.randn(shape, generator=g, dtype=torch.float64) * scale * torch.linspace(0.01, 3.0, shape[-1],
+                                                                                      dtype=torch.float64)
+    w = torch.randn(shape, generator=g, dtype=torch.float64)
+    r_, u_ = _on(r.to(dtype)).requires_grad_(), _on(u.to(dtype)).requires_grad_()
+    out = rescontroller(r_, u_, backend="triton")
+    (out.double() * _on(w)).sum().backward()
+    r64, u64 = r.to(dtype).double().requires_grad_(), u.to(dtype).double().requires_grad_()
+    ref = rescontroller_reference(r64, u64)
+    (ref * w).sum().backward()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert torch.isfinite(out).all() and torch.isfinite(r_.grad).all() and torch.isfinite(u_.grad).all()
+    for got, want in ((out, ref), (r_.grad, r64.grad), (u_.grad, u64.grad)):
+        err = ((got.double().cpu() - want) / want.abs().amax(-1, keepdim=True).clamp_min(1e-30)).abs().max()
+        assert err < tol, (err, got.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("kind", KINDS)
+def test_device_mgr_kernels_match_reference(kern, kind, n, dtype):
+    streams, u, params = make_case(kind, n, 97, dtype, tokens=(2, 3), seed=n)
+    gating = "independent" if kind == "independent" else "competitive"
+    dev = {k: _on(v) for k, v in params.items()}
+    got, ggrads = forward_backward(lambda s, x, p: op_call(kern, s, x, p), _on(streams), _on(u), dev)
+    want, wgrads = forward_backward(lambda s, x, p: ref_call(s, x, p, gating), streams, u, params)
+    tol = dict(rtol=2e-2, atol=3e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == dtype
+        torch.testing.assert_close(a.cpu(), b, **tol)
+    for a, b in zip(ggrads, wgrads):  # gradients: tolerance relative to the largest entry; parameter gradients
+        scale = b.float().abs().max().clamp_min(1.0)  # sum over tokens (bf16 rounding cancels less than it adds)
+        atol = tol["atol"] * scale * (2.0 if dtype == torch.bfloat16 and b.dim() == 0 else 1.0)
+        torch.testing.assert_close(a.cpu().float(), b.float(), rtol=tol["rtol"], atol=atol)

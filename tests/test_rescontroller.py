@@ -361,8 +361,8 @@ def test_public_exports():
 
 
 def test_triton_backend_needs_a_device_it_runs_on(monkeypatch):
-    rc = importlib.import_module("lightning_resctl.rescontroller")
-    monkeypatch.setattr(rc, "interpreter_mode", lambda: False)
+    backends = importlib.import_module("lightning_resctl.backends")
+    monkeypatch.setattr(backends, "interpreter_mode", lambda: False)
     x = torch.randn(2, 4)
     with pytest.raises(ValueError, match="backend='triton'"):
         rescontroller(x, x, backend="triton")
@@ -478,3 +478,101 @@ def test_gpt_saved_bytes_and_gradients():
     # the lean Function's gradients are those of plain autograd through the oracle
     for p_lean, p_oracle in zip(lean.parameters(), oracle.parameters()):
         torch.testing.assert_close(p_lean.grad, p_oracle.grad, rtol=1e-4, atol=1e-6)
+
+
+def _huge_rows(shape, dtype, scale=1e20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = (torch.randn(shape, generator=g, dtype=torch.float64) * scale)
+    u = (torch.randn(shape, generator=g, dtype=torch.float64) * scale * torch.linspace(0.01, 3.0, shape[-1],
+                                                                                        dtype=torch.float64))
+    r[0] /= scale  # one ordinary row beside the huge ones: rows stay independent
+    u[0] /= scale
+    return r.to(dtype), u.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["reference", "torch", "triton", "triton-blocked"])
+@pytest.mark.parametrize("shape", [(3, 37), (4, 129)])
+def test_huge_rows_stay_finite_and_match_fp64(path, dtype, shape, monkeypatch):
+    """Rows of magnitude ~1e20 (whose squares overflow fp32) give the fp64 result, forward and backward."""
+    if path == "triton-blocked":
+        monkeypatch.setattr(lightning_resctl._triton.kernel_module("rescontroller"), "MAX_BLOCK", 16)
+    r, u = _huge_rows(shape, dtype)
+    r.requires_grad_()
+    u.requires_grad_()
+    assert torch.isfinite(r.detach() + u.detach()).all()
+    fn = rescontroller_reference if path == "reference" else (
+        lambda a, b: rescontroller(a, b, backend=path.split("-")[0]))
+    out = fn(r, u)
+    r64, u64 = r.detach().double().requires_grad_(), u.detach().double().requires_grad_()
+    ref = rescontroller_reference(r64, u64)
+    assert torch.isfinite(out).all()
+    tol = dict(rtol=2e-2, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=0)
+    torch.testing.assert_close(out.double(), ref.to(dtype).double(), **tol)
+    g = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (out.double() * g).sum().backward()
+    (ref * g).sum().backward()
+    for got, want in ((r.grad, r64.grad), (u.grad, u64.grad)):
+        assert torch.isfinite(got).all()
+        scale = want.abs().amax(-1, keepdim=True)
+        err = ((got.double() - want) / scale).abs().max().item()
+        assert err < (3e-2 if dtype == torch.bfloat16 else 1e-4), err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_near_the_scaling_threshold(backend):
+    """Rows just below / above 2^32 (where the moments start being scaled by a power of two) agree."""
+    r = torch.randn(6, 64) * torch.tensor([1e9, 4e9, 5e9, 1e12, 1.0, 1e-3]).unsqueeze(1)
+    u = torch.randn(6, 64) * r.abs().amax(-1, keepdim=True) * 0.3
+    out = rescontroller(r, u, backend=backend)
+    torch.testing.assert_close(out.double(), rescontroller_reference(r.double(), u.double()), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_path_modes_and_switch(monkeypatch):
+    from lightning_resctl import backends
+
+    x = torch.randn(2, 4)
+    assert backends.torch_mode("torch-eager", x) == "eager"
+    assert backends.torch_mode("torch-compiled", x) == "compiled"
+    monkeypatch.setenv(backends.COMPILE_ENV, "0")
+    assert backends.torch_mode("torch", x) == "eager"
+    monkeypatch.setenv(backends.COMPILE_ENV, "1")
+    assert backends.torch_mode("torch", x) == ("compiled" if backends.cpu_compile_available() else "eager")
+    for name in ("torch-eager", "torch-compiled"):
+        assert ResController(backend=name).resolved_backend(x) == name
+
+
+@pytest.mark.skipif(not __import__("lightning_resctl.backends").backends.cpu_compile_available(),
+                    reason="no C++ compiler for inductor")
+@pytest.mark.parametrize("regime", REGIMES)
+def test_compiled_region_matches_eager_and_reference(regime):
+    r, u, opts = _regime_rows(regime, rows=5, C=67, dtype=torch.float32)
+    outs, grads = {}, {}
+    for backend in ("torch-eager", "torch-compiled", "reference"):
+        a, b = r.clone().requires_grad_(), u.clone().requires_grad_()
+        fn = (lambda x, y: rescontroller_reference(x, y, **opts)) if backend == "reference" else (
+            lambda x, y: rescontroller(x, y, **opts, backend=backend))
+        out = fn(a, b)
+        (out * torch.cos(torch.arange(out.numel()).reshape(out.shape))).sum().backward()
+        outs[backend], grads[backend] = out.detach(), (a.grad, b.grad)
+    torch.testing.assert_close(outs["torch-compiled"], outs["torch-eager"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(outs["torch-compiled"], outs["reference"], rtol=1e-5, atol=1e-5)
+    for i in range(2):
+        torch.testing.assert_close(grads["torch-compiled"][i], grads["torch-eager"][i], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grads["torch-compiled"][i], grads["reference"][i], rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_region_falls_back_to_eager_with_a_warning(monkeypatch):
+    from lightning_resctl import backends
+
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no compiler here")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    region = backends.CompiledRegion(lambda a, b: a * b)
+    x = torch.randn(3)
+    with pytest.warns(RuntimeWarning, match="running the torch path eagerly"):
+        assert torch.equal(region(x, x), x * x)
+    assert region.failed and torch.equal(region(x, x), x * x)  # eager from then on, no second warning

@@ -1,0 +1,249 @@
+"""Residual rules side by side in one nanoGPT training step: step-time ratio and saved-bytes ratio to plain.
+
+    python benchmarks/bench_peers.py [--threads N] [--reps 15] [--layers 12 --C 256 --T 64 --batch 8]
+
+One process, one copy of the same initial weights per variant; every repetition runs one training step
+(forward, loss, backward, AdamW step) of each variant in a rotating order (interleaved, so slow phases of a
+shared machine hit every variant alike); the table reports the median wall-clock step time of each variant
+divided by the plain model's median. The first step of each variant is timed apart ("first step"): it holds
+one-time costs such as the compile of a fused CPU region. Saved bytes: activations saved for backward by one
+loss (each storage once, parameters left out), divided by plain's.
+
+Variants: ``plain`` (the model as written), the project's rules installed with ``patch_residuals`` (``add``,
+``rescontroller``, ``mgr`` n=4 independent and competitive, and every other name of
+``lightning_resctl.merge_rules()`` when the registry exists), and peers wired by hand into the same GPT:
+MLBricks' ResController (its torch path; non-commercial licence, used only if ``mlbricks`` is importable) and
+the ``hyper-connections`` package's HC and mHC (n=4). A peer that is not installed, or a variant that fails to
+build, is listed with the reason instead of a ratio.
+
+Thread count: the machine's default (``torch.get_num_threads()``) unless ``--threads`` is given.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import lightning_resctl  # noqa: E402
+from lightning_resctl.memory import saved_tensor_bytes  # noqa: E402
+from lightning_resctl.testing.models import NanoGPT, gpt_loss, wire_hyper_connections, wire_merges  # noqa: E402
+
+STREAMS = 4
+# the project's variants listed first, in this order: (label, method name, patch options)
+OWN = [
+    ("add", "add", {}),
+    ("rescontroller", "rescontroller", {}),
+    ("rescontroller (torch-eager)", "rescontroller", {"backend": "torch-eager"}),
+    ("mgr n=4 independent", "mgr", {"streams": STREAMS, "gating": "independent"}),
+    ("mgr n=4 competitive", "mgr", {"streams": STREAMS, "gating": "competitive"}),
+]
+# registry names already covered by OWN
+COVERED = {"add", "rescontroller", "mgr", "mgr-independent", "mgr-competitive"}
+
+
+def registry_names() -> list[str] | None:
+    """Names of ``lightning_resctl.merge_rules()``, or None when this version has no registry."""
+    fn = getattr(lightning_resctl, "merge_rules", None)
+    if fn is None:
+        try:
+            from lightning_resctl import rules as rules_mod  # noqa: F401
+            fn = getattr(rules_mod, "merge_rules", None)
+        except ImportError:
+            fn = None
+    if fn is None:
+        return None
+    rules = fn()
+    return list(rules.keys() if isinstance(rules, dict) else rules)
+
+
+def own_installer(method: str, options: dict, example):
+    def install(model):
+        from lightning_resctl import patch_residuals
+        try:
+            patch_residuals(model, method=method, example_input=example, **options)
+        except (TypeError, ValueError) as err:
+            if "streams" not in options or "streams" not in str(err):
+                raise
+            rest = {k: v for k, v in options.items() if k != "streams"}
+            patch_residuals(model, method=method, example_input=example, **rest)  # a rule without a stream count
+        return model
+    return install
+
+
+def mlbricks_installer():
+    try:
+        from mlbricks.residualbrick import ResController as MLBricksResController
+    except Exception as err:  # noqa: BLE001 - any import failure means "absent"
+        return None, f"absent (mlbricks not importable: {type(err).__name__})"
+
+    def install(model):
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            merge = MLBricksResController(0.18, backend="pytorch")
+        model.mlbricks_merge = merge
+        return wire_merges(model, merge)
+    return install, None
+
+
+def hc_installer(kind: str):
+    try:
+        import hyper_connections  # noqa: F401
+    except Exception as err:  # noqa: BLE001
+        return None, f"absent (hyper-connections not importable: {type(err).__name__})"
+    return (lambda model: wire_hyper_connections(model, kind, STREAMS)), None
+
+
+def variants(example) -> list[tuple[str, object, str | None]]:
+    """(label, installer or None, note) for every variant after plain."""
+    out = [(label, own_installer(method, opts, example), None) for label, method, opts in OWN]
+    inst, note = mlbricks_installer()
+    out.insert(3, ("MLBricks ResController (torch path)", inst, note))
+    for kind, label in (("hc", "hyper-connections HC n=4"), ("mhc", "hyper-connections mHC n=4")):
+        inst, note = hc_installer(kind)
+        out.append((label, inst, note))
+    names = registry_names()
+    if names is None:
+        out.append(("(merge_rules registry)", None, "absent in this version: only the methods above"))
+    else:
+        for name in names:
+            if name in COVERED:
+                continue
+            out.append((f"{name} (lightning_resctl)", own_installer(name, {"streams": STREAMS}, example), None))
+    return out
+
+
+def run(args) -> list[dict]:
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    base = NanoGPT(vocab_size=args.vocab, block_size=args.T, n_layer=args.layers, n_head=args.heads,
+                   n_embd=args.C).to(device)
+    idx = torch.randint(0, args.vocab, (args.batch, args.T), generator=torch.Generator().manual_seed(0)).to(device)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
+                else contextlib.nullcontext())
+    example = idx[:2]
+    rows = [{"label": "plain", "model": copy.deepcopy(base), "note": None}]
+    only = [o.strip() for o in args.only.split(",")] if args.only else None
+    for label, install, note in variants(example):
+        if only is not None and label not in only:
+            continue
+        row = {"label": label, "model": None, "note": note}
+        if install is not None:
+            try:
+                row["model"] = install(copy.deepcopy(base))
+            except Exception as err:  # noqa: BLE001 - listed, not skipped
+                row["note"] = f"failed to build: {type(err).__name__}: {str(err).splitlines()[0][:80]}"
+        rows.append(row)
+    live = [r for r in rows if r["model"] is not None]
+    for r in live:
+        r["opt"] = torch.optim.AdamW(r["model"].parameters(), lr=1e-4)
+        r["times"] = []
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step(r):
+        with autocast:
+            loss = gpt_loss(r["model"], idx)
+        r["opt"].zero_grad(set_to_none=True)
+        loss.backward()
+        r["opt"].step()
+        sync()
+
+    for r in live:  # first step: one-time costs (compiles, lazy kernel loads)
+        t0 = time.perf_counter()
+        try:
+            step(r)
+        except Exception as err:  # noqa: BLE001
+            r["note"] = f"failed in a step: {type(err).__name__}: {str(err).splitlines()[0][:80]}"
+            r["model"] = None
+            continue
+        r["first"] = time.perf_counter() - t0
+    live = [r for r in live if r["model"] is not None]
+    for _ in range(args.warmup):
+        for r in live:
+            step(r)
+    for rep in range(args.reps):
+        k = rep % len(live)
+        for r in live[k:] + live[:k]:
+            t0 = time.perf_counter()
+            step(r)
+            r["times"].append(time.perf_counter() - t0)
+    for r in live:
+        r["median"] = statistics.median(r["times"])
+        with autocast:
+            r["saved"] = saved_tensor_bytes(gpt_loss, r["model"], idx, exclude=r["model"].parameters())[0]
+    return rows
+
+
+def report(rows: list[dict], args) -> str:
+    plain = rows[0]
+    head = (f"nanoGPT {args.layers} layers, C={args.C}, T={args.T}, batch {args.batch}, training step (fwd+bwd+AdamW), "
+            f"{args.dtype} {args.device}, threads={torch.get_num_threads()}, {args.reps} interleaved reps, median "
+            f"wall clock; torch {torch.__version__}")
+    print(head)
+    try:
+        import importlib
+
+        rc_mod = importlib.import_module("lightning_resctl.rescontroller")
+
+        fns = rc_mod._COMPILED.get("fns")
+        if fns:
+            cost = [f.first_call_s for f in fns]
+            fails = [f.failed for f in fns if f.failed]
+            print("ResController compiled CPU region, first call (compile) s: forward "
+                  f"{cost[0] if cost[0] is not None else float('nan'):.2f}, backward "
+                  f"{cost[1] if cost[1] is not None else float('nan'):.2f}" + (f"; FELL BACK: {fails}" if fails else ""))
+        else:
+            print("ResController compiled CPU region: not used (no C++ compiler, LIGHTNING_RESCTL_COMPILE=0 or GPU)")
+    except Exception:  # noqa: BLE001
+        pass
+    print(f"plain: {plain['median'] * 1e3:.1f} ms/step, {plain['saved'] / 2**20:.1f} MiB saved for backward")
+    print(f"{'variant':<40}{'step ratio':>11}{'saved ratio':>12}{'ms/step':>9}{'first step s':>13}  note")
+    md = ["| variant | step-time ratio to plain | saved-bytes ratio |", "|---|---|---|"]
+    for r in rows:
+        if r.get("median") is None:
+            print(f"{r['label']:<40}{'-':>11}{'-':>12}{'-':>9}{'-':>13}  {r['note']}")
+            md.append(f"| {r['label']} | {r['note']} | – |")
+            continue
+        t = r["median"] / plain["median"]
+        b = r["saved"] / plain["saved"]
+        print(f"{r['label']:<40}{t:>11.3f}{b:>12.3f}{r['median'] * 1e3:>9.1f}{r['first']:>13.2f}  {r['note'] or ''}")
+        md.append(f"| {r['label']} | {t:.3f}× | {b:.3f}× |")
+    table = "\n".join(md)
+    print("\nMarkdown (README):\n")
+    print(table)
+    return table
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: leave the machine's)")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--C", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--T", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--only", default="", help="comma-separated variant labels to run (default: all)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report(run(args), args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One-command GPU check of lightning_resctl (<= ~8 minutes on one H100/H200-class GPU).
+#
+#   bash benchmarks/gpu_check.sh             # run every step, write one markdown report (its path is printed)
+#   bash benchmarks/gpu_check.sh --dry-run   # list the steps, run nothing
+#
+# Steps, in order (the script exits non-zero when any step fails):
+#   1 kernel-tests    both rules' Triton kernels on the device (TRITON_INTERPRET=0), fp32/bf16, forward and
+#                     backward against the torch references, small odd shapes and rows ~1e20:
+#                     pytest -k device_ tests/test_mgr_kernels.py (the normal suite runs the same tests on CPU
+#                     under the Triton interpreter)
+#   2 bench-rescontroller  merge alone: eager / torch.compile / Triton times, bytes moved as % of the measured
+#                     device copy bandwidth (goal >= 80 %, and no slower than compile)
+#   3 bench-mgr       MGR step: torch path / compiled / Triton, n in {4, 8}
+#   4 bench-peers     GPT-2-small-sized training step (12 layers, C=768, 12 heads, batch 8 x 1024 tokens, bf16
+#                     autocast): every rule and the peers vs plain (goals: rescontroller <= 1.03x, mgr n=4 <= 1.08x)
+# Without CUDA it says so and exits 0. REPORT=path overrides the report path.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+STEPS=(kernel-tests bench-rescontroller bench-mgr bench-peers)
+declare -A CMD=(
+  [kernel-tests]="env TRITON_INTERPRET=0 LIGHTNING_RESCTL_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider tests/test_mgr_kernels.py -k device_"
+  [bench-rescontroller]="env TRITON_INTERPRET=0 python benchmarks/bench_rescontroller.py --device cuda --gpt-batch 8"
+  [bench-mgr]="env TRITON_INTERPRET=0 python benchmarks/bench_mgr.py --streams 4 8 --dims 768 2048"
+  [bench-peers]="env TRITON_INTERPRET=0 python benchmarks/bench_peers.py --device cuda --dtype bf16 --layers 12 --C 768 --heads 12 --T 1024 --batch 8 --vocab 50304 --reps 10 --warmup 2"
+)
+declare -A LIMIT=([kernel-tests]=150 [bench-rescontroller]=90 [bench-mgr]=90 [bench-peers]=150)
+
+if [[ "${1:-}" == "--dry-run" ]]; then
+  echo "gpu_check steps (dry run, nothing executed):"
+  i=1
+  for s in "${STEPS[@]}"; do
+    echo "$i. $s (limit ${LIMIT[$s]} s): ${CMD[$s]}"
+    i=$((i + 1))
+  done
+  exit 0
+fi
+
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing to check, exiting 0"
+  exit 0
+fi
+
+REPORT="${REPORT:-${TMPDIR:-/tmp}/lightning_resctl_gpu_check_$(date +%Y%m%d_%H%M%S).md}"
+{
+  echo "# lightning_resctl GPU check"
+  echo
+  echo "- date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "- git: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "- device: $(python -c 'import torch; print(torch.cuda.get_device_name())')"
+  echo "- torch: $(python -c 'import torch; print(torch.__version__)'), triton: $(python -c 'import triton; print(triton.__version__)' 2>/dev/null || echo absent)"
+} > "$REPORT"
+
+failed=0
+for s in "${STEPS[@]}"; do
+  echo "== $s: ${CMD[$s]}"
+  start=$(date +%s)
+  out=$(timeout "${LIMIT[$s]}" bash -c "${CMD[$s]}" 2>&1)
+  rc=$?
+  secs=$(( $(date +%s) - start ))
+  echo "$out" | tail -40
+  status="ok"
+  if [[ $rc -ne 0 ]]; then status="FAILED (exit $rc)"; failed=1; fi
+  {
+    echo
+    echo "## $s — $status, ${secs} s"
+    echo
+    echo "\`${CMD[$s]}\`"
+    echo
+    echo '```'
+    echo "$out" | tail -80
+    echo '```'
+  } >> "$REPORT"
+done
+echo "gpu_check report: $REPORT"
+exit $failed

@@ -1,0 +1,61 @@
+"""Multi-Gate Residuals (MGR): n gated streams per token instead of one residual stream.
+
+Math (per token; streams ``S`` have layout ``(..., n, C)``, the n streams of a token contiguous;
+``RMSNorm(x) = x / sqrt(mean(x^2) + 1e-6)`` over C, no parameters, fp32)::
+
+    AttnPool     a_i = softmax_i( w . RMSNorm(s_i) / sqrt(C) ),     h = sum_i a_i s_i
+    branch       u   = F(h)                                         (the user's sub-layer)
+    gates        z_i = q . RMSNorm(s_i) / sqrt(C)
+                 independent: beta_i = sigmoid(z_i + b_i)
+                 competitive: beta   = softmax([f, z_1 + c_1, ..., z_n + c_n])[1:]
+    lerp         s'_i = (1 - beta_i) s_i + beta_i u
+
+A chain of ``num_merges`` merges starts with one stream (the chain input x); the first n-1 merges
+*accumulate* (append their branch output as a new stream, no gate); merges n-1.. are gated. The chain
+ends with an output AttnPool whose result has the shape of x. Gate math always runs in fp32.
+
+Hand-written model (one chain over all sub-layers of a transformer)::
+
+    chain = MGRChain(dim=C, num_merges=2 * n_layer, streams=4)
+    run = chain.begin(x)                          # x: (B, T, C)
+    for blk in blocks:
+        run.write(blk.attn(blk.ln1(run.read())))   # read(): pooled input of the current merge
+        run.write(blk.mlp(blk.ln2(run.read())))    # write(u): merge u into the streams
+    y = run.end()                                 # output pool, shape of x
+
+The same chain is driven one merge at a time by :mod:`lightning_resctl.surgery` through
+``streams, h = chain.start(x)`` and ``streams, h = chain.step(k, streams, u)``.
+
+Backends: ``"torch"`` (fused torch ops, closed-form backward), ``"triton"`` (one fused kernel per merge:
+gates + lerp + the next merge's pool, and a fused backward; ``torch.library`` ops), ``"reference"``
+(plain torch ops differentiated by autograd — the oracle), ``"auto"`` (triton on CUDA, torch otherwise).
+
+Fallback inversion (``invert``): the backward recomputes each merge's input streams from its output,
+``s_i = (s'_i - beta_i u) / (1 - beta_i)``, instead of saving them (merge l+1's backward hands its
+reconstructed input to merge l as that merge's output). Rows (token, stream) are saved exactly where
+beta is in the top ``invert_top_p`` fraction of the merge, above ``invert_threshold``, or where the
+error gain ``prod 1/(1 - beta)`` accumulated since the last exact row would exceed ``invert_max_gain``
+(our addition: it bounds the error growth over deep chains). ``invert="auto"`` enables it for fp32/fp64
+streams in eager mode; it is off under ``torch.compile`` and for half-precision streams (the inversion
+of a rounded bf16/fp16 output is not accurate). Saved for backward per gated merge and token: about
+(n+1)·C values without inversion (input streams and u), about (1 + top_p·n)·C with it (u and the exact
+rows), plus a few fp32 numbers per stream. A merge's output is only dropped when the next step receives
+that very tensor unchanged; otherwise it is kept (as if saved), so any driving order stays corre
+
+Package layout (one job per module): :mod:`.reference` (the oracle and the init formulas), :mod:`.ops` (the
+fused step: torch path, Triton dispatch, autograd Function), :mod:`.inversion` (fallback-inversion runtime),
+:mod:`.modules` (MGRPool, MGRMerge, MGRChain, MGRRun).
+"""
+from __future__ import annotations
+
+from ..memory import saved_tensor_bytes  # re-exported: it lived here first
+from .modules import BACKENDS, MGRChain, MGRMerge, MGRPool, MGRRun
+from .reference import (B_BASE, GATINGS, L_BASE, RMS_EPS, MGRInit, attn_pool_reference, mgr_bias_init,
+                        mgr_gates_reference, mgr_merge_reference, mgr_step_reference, rms_norm)
+from .reference import _compute_dtype  # noqa: F401  (used by lightning_resctl.rules)
+
+__all__ = [
+    "MGRChain", "MGRMerge", "MGRPool", "MGRRun", "MGRInit", "mgr_bias_init", "rms_norm",
+    "attn_pool_reference", "mgr_gates_reference", "mgr_merge_reference", "mgr_step_reference",
+    "saved_tensor_bytes", "BACKENDS", "GATINGS", "RMS_EPS", "L_BASE", "B_BASE",
+]

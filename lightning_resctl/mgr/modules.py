@@ -1,0 +1,408 @@
+"""MGR nn.Modules: :class:`MGRPool`, :class:`MGRMerge` (parameters), :class:`MGRChain` (runtime) and
+:class:`MGRRun` (a hand-driven pass)."""
+from __future__ import annotations
+
+import math
+import numbers
+import weakref
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .._triton import triton_available, triton_runs_on
+from ..backends import check_backend, torch_mode
+from .inversion import _InvertRun
+from .ops import _MGRStepFn, _TieZeroGrad, _kernels
+from .reference import (B_BASE, GATINGS, L_BASE, RMS_EPS, MGRInit, attn_pool_reference, mgr_bias_init,
+                        mgr_gates_reference, mgr_step_reference)
+
+__all__ = ["MGRPool", "MGRMerge", "MGRRun", "MGRChain", "BACKENDS"]
+
+def _check_real(name: str, value, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if positive and not float(value) > 0.0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+#: Accepted backend names: the shared ones ("native" is an alias of "triton") plus the plain-autograd oracle.
+BACKENDS = ("auto", "torch", "triton", "native", "torch-eager", "torch-compiled", "reference")
+
+
+class MGRPool(nn.Module):
+    """The chain's output AttnPool: ``y = sum_i a_i s_i``, ``a = softmax_i(pool_query . RMSNorm(s_i) / sqrt(C))``.
+
+    ``pool_query`` (C,) is zero-initialised: at init the output is the uniform mean of the streams."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = int(dim)
+        self.pool_query = nn.Parameter(torch.zeros(self.dim))
+
+    def reset_parameters(self) -> None:
+        """The spec init: a zero query (the uniform mean of the streams). Works after ``to_empty``."""
+        with torch.no_grad():
+            self.pool_query.zero_()
+
+    def forward(self, streams: Tensor) -> Tensor:
+        """``streams`` (..., m, C) -> pooled (..., C)."""
+        return attn_pool_reference(streams, self.pool_query)[0]
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+class MGRMerge(nn.Module):
+    """Merge ``index`` of an MGR chain (its parameters; :class:`MGRChain` runs it).
+
+    Parameters: ``pool_query`` (C,) — the AttnPool that builds this merge's branch input; gated merges
+    (``accumulating`` False, i.e. ``index >= streams - 1``) also ``gate_query`` (C,), ``gate_bias`` (n,) and,
+    for ``gating="competitive"``, ``forget_bias`` (). Queries are zero-initialised; biases come from
+    :func:`mgr_bias_init`.
+    """
+
+    def __init__(self, index: int, dim: int, streams: int, gating: str = "competitive", *,
+                 accumulating: bool = False, init: Optional[MGRInit] = None):
+        super().__init__()
+        self.index, self.dim, self.streams, self.gating = int(index), int(dim), int(streams), gating
+        self.accumulating = bool(accumulating)
+        self.init = init or MGRInit(0.0, 0.0, 0.0, None)
+        self.pool_query = nn.Parameter(torch.empty(self.dim))
+        if not self.accumulating:
+            self.gate_query = nn.Parameter(torch.empty(self.dim))
+            self.gate_bias = nn.Parameter(torch.empty(self.streams))
+            if gating == "competitive":
+                self.forget_bias = nn.Parameter(torch.empty(()))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The spec init: zero queries, gate biases and forget bias from the depth-aware :attr:`init`.
+
+        Exactly the constructor's values, also after ``to_empty`` (meta-device init) and
+        :meth:`make_shardable`."""
+        with torch.no_grad():
+            self.pool_query.zero_()
+            if self.accumulating:
+                return
+            self.gate_query.zero_()
+            self.gate_bias.fill_(float(self.init.gate_bias))
+            forget = getattr(self, "forget_bias", None)
+            if forget is not None:
+                forget.fill_(float(self.init.forget_bias or 0.0))
+
+    def gate_params(self):
+        """``(gate_query, gate_bias, forget_bias or None)``; all None for an accumulating merge.
+
+        ``forget_bias`` is returned 0-d. The parameter itself is 0-d as the spec lists it, or (1,) after
+        :meth:`make_shardable` (FSDP2's ``fully_shard`` refuses 0-d parameters).
+        """
+        if self.accumulating:
+            return None, None, None
+        forget = getattr(self, "forget_bias", None)
+        return self.gate_query, self.gate_bias, None if forget is None else forget.reshape(())
+
+    def make_shardable(self) -> None:
+        """Store a 0-d ``forget_bias`` as a (1,) parameter (same value, same name) so that FSDP2 can shard it."""
+        forget = getattr(self, "forget_bias", None)
+        if forget is not None and forget.dim() == 0:
+            self.forget_bias = nn.Parameter(forget.detach().reshape(1), requires_grad=forget.requires_grad)
+
+    def extra_repr(self) -> str:
+        kind = "accumulating" if self.accumulating else f"gating={self.gating}"
+        return f"index={self.index}, dim={self.dim}, streams={self.streams}, {kind}"
+
+
+class MGRRun:
+    """One forward pass through an :class:`MGRChain` for hand-written models (see the module docstring).
+
+    ``read()`` -> the pooled input h of the current merge (shape of x); ``write(u)`` merges the branch output
+    u (shape of x) and advances; ``end()`` -> the output pool once every merge was written. ``streams`` holds
+    the current stream tensor (..., min(k+1, n), C)."""
+
+    def __init__(self, chain: "MGRChain", x: Tensor):
+        self.chain = chain
+        self.index = 0
+        self.streams, self._h = chain.start(x)
+
+    def read(self) -> Tensor:
+        """The pooled input of merge ``index`` (after the last merge: the output pool)."""
+        return self._h
+
+    def write(self, u: Tensor) -> Tensor:
+        """Merge branch output ``u`` as merge ``index``; returns the next pooled input."""
+        if self.index >= self.chain.num_merges:
+            raise RuntimeError(f"MGR chain used past its end: write() called after all {self.chain.num_merges} "
+                               "merges; call end()")
+        self.streams, self._h = self.chain.step(self.index, self.streams, u)
+        self.index += 1
+        return self._h
+
+    def end(self) -> Tensor:
+        """The chain's output (output AttnPool of the final streams), shape of x."""
+        if self.index != self.chain.num_merges:
+            raise RuntimeError(f"MGR chain ended early: end() after {self.index} of {self.chain.num_merges} merges")
+        return self._h
+
+
+class MGRChain(nn.Module):
+    """A Multi-Gate-Residual chain of ``num_merges`` merges over ``streams`` (n >= 2) streams of width ``dim``.
+
+    Args:
+        dim: feature width C (streams are (..., n, C), features last).
+        num_merges: merges in the chain; the first ``streams - 1`` accumulate, the rest are gated
+            (``num_gated`` = L of the depth-aware init).
+        streams: n >= 2.
+        gating: ``"competitive"`` (softmax with a forget logit; gates sum to < 1) or ``"independent"``.
+        invert: fallback inversion in the backward: True, False or ``"auto"`` (fp32/fp64 eager only).
+        backend: ``"auto"``, ``"torch"`` (= ``"torch-eager"``), ``"torch-compiled"``, ``"triton"`` (alias
+            ``"native"``) or ``"reference"``.
+        b_base, l_base, beta_init_max: the depth-aware init (see :func:`mgr_bias_init`).
+        invert_top_p, invert_threshold, invert_max_gain: which rows the inversion saves exactly.
+        eps: RMSNorm epsilon.
+
+    Runtime: ``start(x) -> (streams, h0)``; ``step(k, streams, u) -> (streams', h_next)``; ``begin(x)`` ->
+    :class:`MGRRun`; ``forward(x, branches)`` runs the whole chain with a sequence of branch callables.
+    """
+
+    def __init__(self, dim: int, num_merges: int, streams: int = 4, gating: str = "competitive", invert="auto",
+                 backend: str = "auto", *, b_base: float = B_BASE, l_base: int = L_BASE, beta_init_max: float = 0.5,
+                 invert_top_p: float = 0.05, invert_threshold: float = 0.5, invert_max_gain: float = 8.0,
+                 eps: float = RMS_EPS):
+        super().__init__()
+        if not isinstance(streams, int) or isinstance(streams, bool) or streams < 2:
+            raise ValueError(f"streams must be an int >= 2, got {streams!r}")
+        if not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        if not isinstance(num_merges, int) or num_merges < 1:
+            raise ValueError(f"num_merges must be a positive int, got {num_merges!r}")
+        if gating not in GATINGS:
+            raise ValueError(f"gating must be one of {GATINGS}, got {gating!r}")
+        if invert not in (True, False, "auto"):
+            raise ValueError(f"invert must be True, False or 'auto', got {invert!r}")
+        if not 0.0 <= invert_top_p <= 1.0:
+            raise ValueError(f"invert_top_p must be in [0, 1], got {invert_top_p!r}")
+        if not 0.0 < invert_threshold <= 1.0:
+            raise ValueError(f"invert_threshold must be in (0, 1], got {invert_threshold!r}")
+        if not invert_max_gain > 1.0:
+            raise ValueError(f"invert_max_gain must be > 1, got {invert_max_gain!r}")
+        _check_real("eps", eps, positive=True)
+        _check_real("b_base", b_base)
+        if isinstance(l_base, bool) or not isinstance(l_base, numbers.Integral) or l_base < 1:
+            raise ValueError(f"l_base must be an int >= 1, got {l_base!r}")
+        _check_real("beta_init_max", beta_init_max)
+        if not 0.0 < beta_init_max < 1.0:
+            raise ValueError(f"beta_init_max must be in (0, 1), got {beta_init_max!r}")
+        self.set_backend(backend)
+        self.dim, self.num_merges, self.streams, self.gating = dim, num_merges, streams, gating
+        self.invert = invert
+        self.invert_top_p, self.invert_threshold, self.invert_max_gain = invert_top_p, invert_threshold, invert_max_gain
+        self.eps = float(eps)
+        self.num_gated = max(num_merges - (streams - 1), 0)
+        self.init = mgr_bias_init(self.num_gated, streams, gating, b_base, l_base, beta_init_max)
+        self.init_note: Optional[str] = self.init.note
+        self.b_base, self.l_base, self.beta_init_max = b_base, l_base, beta_init_max
+        self.merges = nn.ModuleList(
+            MGRMerge(k, dim, streams, gating, accumulating=k < streams - 1, init=self.init) for k in range(num_merges))
+        self.output_pool = MGRPool(dim)
+        self._run_ref: Optional[weakref.ref] = None
+        self._run_keep: Optional[_InvertRun] = None
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_run_ref"] = None  # per-forward inversion state is not part of the module
+        state["_run_keep"] = None
+        return state
+
+    def reset_parameters(self) -> None:
+        """The spec init of every merge and of the output pool (see :meth:`MGRMerge.reset_parameters`)."""
+        for merge in self.merges:
+            merge.reset_parameters()
+        self.output_pool.reset_parameters()
+
+    # ---- configuration
+    def set_backend(self, name: str) -> None:
+        """Choose ``"auto"``, ``"torch"``, ``"triton"`` (alias ``"native"``), ``"torch-eager"``,
+        ``"torch-compiled"`` or ``"reference"`` (see :mod:`lightning_resctl.backends`)."""
+        name = check_backend(name, BACKENDS)
+        if name == "triton" and not triton_available():
+            raise RuntimeError("backend='triton' needs a CUDA device or TRITON_INTERPRET=1")
+        if name == "triton" or (name == "auto" and torch.cuda.is_available() and triton_available()):
+            _kernels()  # import (and register the ops) outside any torch.compile trace
+        self.backend = name
+
+    def resolved_backend(self, tensor: Optional[Tensor] = None) -> str:
+        """The backend used for ``tensor``: "auto" -> "triton" on CUDA when Triton is available (n <= 8),
+        else "torch"."""
+        if self.backend != "auto":
+            return self.backend
+        if tensor is not None and tensor.is_cuda and self.streams <= 8 and triton_runs_on(tensor):
+            return "triton"  # the fused kernel holds up to 8 streams
+        return "torch"
+
+    def inverts(self, tensor: Tensor) -> bool:
+        """True when a step on ``tensor`` uses the fallback inversion: not with ``invert=False``, without grad
+        mode, under ``torch.compile``, on the reference backend, inside a backward pass (checkpoint
+        recomputation) or while other saved-tensor hooks are active (activation checkpointing, offloading:
+        they decide what is kept); ``invert="auto"`` also needs fp32/fp64 streams."""
+        if self.invert is False or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return False
+        if self.resolved_backend(tensor) == "reference" or torch._C._current_graph_task_id() != -1:
+            return False
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if hooks is not None and not getattr(hooks[0], "_mgr_transparent", False):
+            return False
+        if self.invert == "auto":
+            return tensor.dtype in (torch.float32, torch.float64)
+        return True
+
+    def next_query(self, k: int) -> Tensor:
+        """The pool query read after merge k: merge k+1's ``pool_query``, or the output pool's after the last."""
+        return self.merges[k + 1].pool_query if k + 1 < self.num_merges else self.output_pool.pool_query
+
+    def stream_count(self, k: int) -> int:
+        """Streams entering merge k: ``min(k + 1, n)`` (k == num_merges: streams after the chain)."""
+        return min(k + 1, self.streams)
+
+    # ---- checks
+    def _check_index(self, k) -> int:
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise TypeError(f"merge index k must be an int, got {type(k).__name__}")
+        if not 0 <= k < self.num_merges:
+            past = " (the chain is used past its end)" if k >= self.num_merges else ""
+            raise IndexError(f"merge index k={k} out of range for a chain of {self.num_merges} merges: "
+                             f"valid 0..{self.num_merges - 1}{past}")
+        return k
+
+    def _check_streams(self, k: int, streams: Tensor, name: str = "streams") -> None:
+        if not isinstance(streams, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(streams).__name__}")
+        want = self.stream_count(k)
+        if streams.dim() < 2 or streams.shape[-1] != self.dim or streams.shape[-2] != want:
+            raise ValueError(f"{name} entering merge {k} must have shape (..., {want}, {self.dim}) "
+                             f"(min(k+1, n) streams, features last), got {tuple(streams.shape)}")
+        if not streams.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {streams.dtype}")
+
+    def _check_update(self, streams: Tensor, u: Tensor) -> None:
+        """u: same leading dims, C, dtype (cast under autocast) and device as the streams."""
+        if not isinstance(u, Tensor):
+            raise TypeError(f"u must be a Tensor, got {type(u).__name__}")
+        want = tuple(streams.shape[:-2]) + (self.dim,)
+        if tuple(u.shape) != want:
+            raise ValueError(f"u must have shape {want} (the streams' leading dims and C), got {tuple(u.shape)}")
+        if not u.is_floating_point():
+            raise TypeError(f"u must be floating point, got {u.dtype}")
+        if u.dtype != streams.dtype:
+            raise TypeError(f"u dtype {u.dtype} does not match the streams dtype {streams.dtype}")
+        if u.device != streams.device:
+            raise ValueError(f"u is on {u.device}, the streams on {streams.device}")
+
+    # ---- runtime
+    def start(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Begin a chain: ``streams = x[..., None, :]`` (one stream), ``h0 = x`` (merge 0's pool of one stream)."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must have shape (..., {self.dim}) (features last), got {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be floating point, got {x.dtype}")
+        if self.inverts(x):
+            run = _InvertRun(self.invert_top_p, self.invert_threshold, self.invert_max_gain)
+            self._run_ref = weakref.ref(run)
+            self._run_keep = run  # held until the first step hands it to the graph
+        return x.unsqueeze(-2), x
+
+    def _current_run(self, streams: Tensor) -> Optional[_InvertRun]:
+        if not self.inverts(streams):
+            return None
+        run = self._run_ref() if self._run_ref is not None else None
+        if run is None:  # a chain driven without start() (or after the graph was freed): begin a new run
+            run = _InvertRun(self.invert_top_p, self.invert_threshold, self.invert_max_gain)
+            self._run_ref = weakref.ref(run)
+        return run
+
+    def step(self, k: int, streams: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+        """Merge k: append ``u`` (k < n-1) or gate + lerp it into the streams, then the pool of merge k+1
+        (the output pool after the last merge). Returns ``(streams', h_next)``; fused on the Triton path."""
+        k = self._check_index(k)
+        self._check_streams(k, streams)
+        if isinstance(u, Tensor) and u.dtype != streams.dtype and u.is_floating_point():
+            if torch.is_autocast_enabled(streams.device.type):
+                u = u.to(streams.dtype)  # under autocast a branch returns low precision; the streams keep theirs
+            else:  # type promotion as `stream + update` does
+                dtype = torch.result_type(streams, u)
+                streams, u = streams.to(dtype), u.to(dtype)
+        self._check_update(streams, u)
+        merge = self.merges[k]
+        wq = self.next_query(k)
+        gq, gb, fb = merge.gate_params()
+        backend = self.resolved_backend(streams)
+        if k == 0 and torch.is_grad_enabled() and merge.pool_query.requires_grad:
+            u = _TieZeroGrad.apply(u, merge.pool_query)
+        if backend == "reference":
+            return mgr_step_reference(streams, u, wq, gq, gb, fb, self.gating, self.eps)
+        run = self._current_run(streams)
+        if run is not None:
+            self._run_keep = None
+        if run is None and backend == "triton":
+            out, h, _, _ = _kernels().mgr_step(streams, u, wq, gq, gb, fb, self.eps)
+            return out, h
+        # MGR's torch path runs eagerly unless asked: its compiled region measured no faster on CPU (the step is
+        # dominated by batched matmuls); "torch-compiled" opts in.
+        mode = "triton" if backend == "triton" else torch_mode("torch-eager" if backend == "torch" else backend,
+                                                               streams)
+        cfg = (mode, self.eps, run, k, k == self.num_merges - 1)
+        return _MGRStepFn.apply(streams, u, wq, gq, gb, fb, cfg)
+
+    def skip(self, k: int, streams: Tensor) -> tuple[Tensor, Tensor]:
+        """Ablation of merge k's branch: gated merges leave the streams unchanged; accumulating merges append a
+        zero stream (keeping the stream count). Returns ``(streams', h_next)`` with the next pool applied."""
+        k = self._check_index(k)
+        self._check_streams(k, streams)
+        if self.merges[k].accumulating:
+            streams = torch.cat([streams, torch.zeros_like(streams[..., :1, :])], dim=-2)
+        h, _ = attn_pool_reference(streams, self.next_query(k), self.eps)
+        return streams, h
+
+    def begin(self, x: Tensor) -> MGRRun:
+        """Start a hand-driven pass: ``run = chain.begin(x)``; then ``run.read()`` / ``run.write(u)`` per merge
+        and ``y = run.end()``."""
+        return MGRRun(self, x)
+
+    def forward(self, x: Tensor, branches: Sequence[Callable[[Tensor], Tensor]]) -> Tensor:
+        """Run the whole chain: merge k's branch is ``branches[k]`` (called on the pooled input)."""
+        if len(branches) != self.num_merges:
+            raise ValueError(f"branches must hold num_merges={self.num_merges} callables, got {len(branches)}")
+        run = self.begin(x)
+        for f in branches:
+            run.write(f(run.read()))
+        return run.end()
+
+    # ---- diagnostics (torch, no grad needed)
+    def gate_values(self, k: int, streams: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """Gates of merge k on the streams entering it: ``(beta (..., n) fp32, forget (...) or None)``.
+
+        Raises ValueError for an accumulating merge (k < n-1), which has no gates."""
+        k = self._check_index(k)
+        self._check_streams(k, streams)
+        merge = self.merges[k]
+        if merge.accumulating:
+            raise ValueError(f"merge k={k} is an accumulating merge (k < streams-1 = {self.streams - 1}) and has no "
+                             "gates; check MGRMerge.accumulating")
+        gq, gb, fb = merge.gate_params()
+        return mgr_gates_reference(streams, gq, gb, fb, self.gating, self.eps)
+
+    def pool_weights(self, k: int, streams: Tensor) -> Tensor:
+        """Softmax weights ``a (..., min(k+1, n))`` of merge k's AttnPool on the streams entering merge k
+        (``k == num_merges``: the output pool on the final streams)."""
+        if k == self.num_merges:
+            self._check_streams(k, streams)
+            return attn_pool_reference(streams, self.output_pool.pool_query, self.eps)[1]
+        k = self._check_index(k)
+        self._check_streams(k, streams)
+        return attn_pool_reference(streams, self.merges[k].pool_query, self.eps)[1]
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, num_merges={self.num_merges}, streams={self.streams}, gating={self.gating}, "
+                f"num_gated={self.num_gated}, invert={self.invert}, backend={self.backend}")

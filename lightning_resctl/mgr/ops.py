@@ -1,0 +1,253 @@
+"""The fused MGR step (merge k + the AttnPool of merge k+1) as one autograd Function.
+
+* torch path: :func:`_torch_step_forward` / :func:`_torch_step_backward` — a few fused torch ops per step and
+  the closed-form backward (formulas in :func:`_torch_step_backward`);
+* Triton path: ``lightning_resctl.kernels.mgr`` (one fused kernel per direction, ``torch.library`` ops);
+* :class:`_MGRStepFn` dispatches to either and, with a :class:`~.inversion._InvertRun`, saves only what the
+  fallback inversion needs.
+
+The math is stated (and implemented as the oracle) in :mod:`lightning_resctl.mgr.reference`.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..backends import CompiledRegion, cpu_compile_available, load_kernels
+from .inversion import output_streams, reconstruct_inputs
+from .reference import _compute_dtype
+
+__all__ = ["_MGRStepFn", "_TieZeroGrad", "_torch_step_forward", "_torch_step_backward", "_kernels"]
+
+
+def _gates_from_logits(z: Tensor, forget_bias: Optional[Tensor]) -> Tensor:
+    if forget_bias is None:
+        return torch.sigmoid(z)
+    f = forget_bias.to(z.dtype).reshape(1, 1).expand(z.shape[0], 1)
+    return torch.softmax(torch.cat([f, z], dim=-1), dim=-1)[:, 1:]
+
+
+def _rsqrt_mean_sq(x: Tensor, eps: float) -> Tensor:
+    """``1 / sqrt(mean(x^2) + eps)`` over the last dim (one pass, no temporary)."""
+    c = x.shape[-1]
+    return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square_().div_(c).add_(eps))
+
+
+def _torch_step_forward(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
+                        gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], eps: float):
+    """streams (..., m, C), u (..., C).
+
+    Returns ``out (..., m', C), h (..., C)`` (fresh tensors, not views) and, flattened over the leading dims,
+    ``beta (T, m) | None, a (T, m'), stats`` where ``stats`` holds the per-row fp32 quantities the closed-form
+    backward reuses: ``(r, q.s, r', w.s')`` (r, q.s None when accumulating), r = 1/rms."""
+    lead, m, c = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
+    cd = _compute_dtype(streams)
+    inv = 1.0 / math.sqrt(c)
+    if gate_query is None:
+        out = torch.cat([streams, u.unsqueeze(-2)], dim=-2)
+        beta = r = pq = None
+    else:
+        s = streams.to(cd).reshape(-1, m, c)
+        r = _rsqrt_mean_sq(s, eps)
+        pq = s @ gate_query.to(cd)
+        z = pq * r * inv + gate_bias.to(cd)
+        beta = _gates_from_logits(z, forget_bias)
+        full = streams.to(cd)
+        out = torch.lerp(full, u.to(cd).unsqueeze(-2).expand_as(full), beta.reshape(*lead, m, 1)).to(streams.dtype)
+    of = out.to(cd).reshape(-1, out.shape[-2], c)
+    r2 = _rsqrt_mean_sq(of, eps)
+    p2 = of @ next_query.to(cd)
+    a = torch.softmax(p2 * r2 * inv, dim=-1)
+    h = torch.empty((*lead, c), dtype=cd, device=streams.device)
+    torch.bmm(a.unsqueeze(1), of, out=h.view(-1, 1, c))
+    return out, h.to(streams.dtype), beta, a, (r, pq, r2, p2)
+
+
+def _torch_step_backward(streams: Tensor, u: Optional[Tensor], beta: Optional[Tensor], a: Tensor,
+                         out: Optional[Tensor], stats, next_query: Tensor, gate_query: Optional[Tensor],
+                         forget_bias: Optional[Tensor], grad_out: Optional[Tensor], grad_h: Optional[Tensor],
+                         eps: float):
+    """Closed-form backward of :func:`_torch_step_forward` (flat shapes). ``out`` and ``stats`` may be None
+    (recomputed). Returns ``(d_streams, d_u, d_gate_query, d_gate_bias, d_forget_bias, d_next_query)``.
+
+    Pool: ``G_i = dS'_i + a_i dh + k_i (w - (w.s'_i) r'_i^2 s'_i / C)`` with ``k = a (da - sum a da) r' / sqrt(C)``,
+    ``da_i = dh.s'_i``; lerp: ``dS_i = (1 - beta_i) G_i + cz_i (q - (q.s_i) r_i^2 s_i / C)``,
+    ``du = sum beta_i G_i``, ``dbeta_i = G_i.(u - s_i)``, ``cz = dz r / sqrt(C)`` with dz the gate-logit grads."""
+    t, m, c = streams.shape
+    cd = _compute_dtype(streams)
+    inv = 1.0 / math.sqrt(c)
+    gated = gate_query is not None
+    s = streams.to(cd)
+    if out is None:
+        if gated:
+            out = torch.lerp(s, u.to(cd).unsqueeze(1).expand_as(s), beta.unsqueeze(-1)).to(streams.dtype)
+        else:
+            out = torch.cat([streams, u.unsqueeze(1)], dim=1)
+    of = out.to(cd)
+    r, pq, r2, p2 = stats if stats is not None else (None, None, None, None)
+    # --- next pool: h = sum a_i s'_i, a = softmax(w . RMSNorm(s'_i) / sqrt(C))
+    if grad_h is not None:
+        dh = grad_h.to(cd)
+        wq = next_query.to(cd)
+        if r2 is None:
+            r2 = _rsqrt_mean_sq(of, eps)
+            p2 = of @ wq
+        da = torch.linalg.vecdot(of, dh.unsqueeze(1))  # (batched matvecs via bmm are slow on CPU)
+        coef = a * (da - (a * da).sum(-1, keepdim=True)) * r2 * inv
+        left = torch.stack([a, coef], dim=-1)                              # (T, m', 2)
+        right = torch.stack([dh, wq.expand_as(dh)], dim=1)                 # (T, 2, C)
+        base = grad_out.to(cd) if grad_out is not None else torch.zeros_like(of)
+        g = torch.baddbmm(base, left, right)
+        g.addcmul_((coef * p2 * r2 * r2 / -c).unsqueeze(-1), of)
+        d_next = (coef.reshape(1, -1) @ of.reshape(-1, c)).reshape(c).to(next_query.dtype)
+    else:
+        g = grad_out.to(cd).clone() if grad_out is not None else torch.zeros_like(of)
+        d_next = torch.zeros_like(next_query)
+    if not gated:
+        du = g[:, m].to(u.dtype if u is not None else streams.dtype)
+        return g[:, :m].to(streams.dtype), du, None, None, None, d_next
+    # --- lerp + gates
+    uf = u.to(cd)
+    du = torch.bmm(beta.unsqueeze(1), g).squeeze(1)
+    dbeta = torch.linalg.vecdot(g, uf.unsqueeze(1)) - torch.linalg.vecdot(g, s)
+    if forget_bias is None:
+        dz = dbeta * beta * (1.0 - beta)
+        d_forget = None
+    else:
+        sb = (beta * dbeta).sum(-1, keepdim=True)
+        dz = beta * (dbeta - sb)
+        d_forget = (-(1.0 - beta.sum(-1)) * sb.squeeze(-1)).sum().to(forget_bias.dtype)
+    q = gate_query.to(cd)
+    if r is None:
+        r = _rsqrt_mean_sq(s, eps)
+        pq = s @ q
+    cz = dz * r * inv
+    ds = g.mul_((1.0 - beta).unsqueeze(-1))
+    ds.addcmul_(cz.unsqueeze(-1), q)
+    ds.addcmul_((cz * pq * r * r / -c).unsqueeze(-1), s)
+    d_q = (cz.reshape(1, -1) @ s.reshape(-1, c)).reshape(c).to(gate_query.dtype)
+    d_bias = dz.sum(0)
+    return ds.to(streams.dtype), du.to(u.dtype), d_q, d_bias, d_forget, d_next
+
+
+
+def _kernels():
+    """``lightning_resctl.kernels.mgr`` (imported once, eagerly by the chain, so compiled code only reads it)."""
+    return load_kernels("mgr")
+
+
+_COMPILED: dict = {}
+
+
+def _torch_fns(mode: str):
+    """(forward, backward) of the torch path: eager ops, or one compiled region each (mode "compiled")."""
+    if mode == "compiled" and not torch.compiler.is_compiling():
+        if "fns" not in _COMPILED:
+            _COMPILED["fns"] = ((CompiledRegion(_torch_step_forward), CompiledRegion(_torch_step_backward))
+                                if cpu_compile_available() else None)
+        if _COMPILED["fns"] is not None:
+            return _COMPILED["fns"]
+    return _torch_step_forward, _torch_step_backward
+
+
+def _step_forward(backend: str, streams, u, next_query, gate_query, gate_bias, forget_bias, eps):
+    """``backend``: "triton", or the torch path's mode ("eager" / "compiled")."""
+    if backend == "triton":
+        out, h, beta, a = _kernels().mgr_step_forward_raw(streams, u, next_query, gate_query, gate_bias, forget_bias,
+                                                          eps)
+        t = a.numel() // a.shape[-1] if a.dim() else 1
+        beta = beta.reshape(t, -1) if gate_query is not None else None
+        return out, h, beta, a.reshape(t, -1), None
+    return _torch_fns(backend)[0](streams, u, next_query, gate_query, gate_bias, forget_bias, eps)
+
+
+def _step_backward(backend: str, streams, u, beta, a, out, stats, next_query, gate_query, gate_bias, forget_bias,
+                   grad_out, grad_h, eps):
+    if backend == "triton":
+        return _kernels().mgr_step_backward_raw(streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias,
+                                                grad_out, grad_h, eps)
+    return _torch_fns(backend)[1](streams, u, beta, a, out, stats, next_query, gate_query, forget_bias, grad_out,
+                                  grad_h, eps)
+
+
+class _MGRStepFn(torch.autograd.Function):
+    """One step (merge + next pool) with a closed-form backward; optionally with fallback inversion.
+
+    ``cfg = (backend, eps, run, k, last)``; ``run`` is the chain's :class:`_InvertRun` or None (save the input
+    streams as usual)."""
+
+    @staticmethod
+    def forward(ctx, streams, u, next_query, gate_query, gate_bias, forget_bias, cfg):
+        backend, eps, run, k, last = cfg
+        lead = streams.shape[:-2]
+        m, c = streams.shape[-2], streams.shape[-1]
+        s2 = streams.reshape(-1, m, c)
+        u2 = u.reshape(-1, c)
+        out, h, beta, a, stats = _step_forward(backend, streams, u, next_query, gate_query, gate_bias, forget_bias,
+                                               eps)
+        ctx.cfg = cfg
+        ctx.shapes = (lead, m, c)
+        stats = stats if stats is not None else (None, None, None, None)
+        params = (next_query, gate_query, gate_bias, forget_bias)
+        gated = gate_query is not None
+        if run is None:
+            ctx.save_for_backward(s2, u2, beta, a, *stats, *params)
+            return out, h
+        ctx.deliver = run.claim(streams)
+        if gated:
+            mask = run.exact_mask(beta)
+            exact = s2[mask]
+        else:
+            mask = exact = None
+        saved_out = out if last else None
+        ctx.save_for_backward(u2 if gated else None, beta, a, mask, exact, saved_out, *stats, *params)
+        if not last:
+            run.outputs[k] = (weakref.ref(out), out.detach(), out._version)
+        ctx.run = run
+        return out, h
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_h):
+        backend, eps, run, k, last = ctx.cfg
+        lead, m, c = ctx.shapes
+        if run is None:
+            s2, u2, beta, a, r, pq, r2, p2, next_query, gate_query, gate_bias, forget_bias = ctx.saved_tensors
+            out2 = None
+        else:
+            (u2, beta, a, mask, exact, saved_out, r, pq, r2, p2,
+             next_query, gate_query, gate_bias, forget_bias) = ctx.saved_tensors
+            out2 = output_streams(run, k, saved_out).reshape(-1, m + (gate_query is None), c)
+            if gate_query is None:
+                s2 = out2[:, :m]
+                u2 = out2[:, m]
+            else:  # s = (s' - beta u) / (1 - beta); exact rows where beta is large
+                s2 = reconstruct_inputs(out2, u2, beta, mask, exact)
+            if ctx.deliver is not None:
+                run.slots[ctx.deliver] = s2.reshape(*lead, m, c)
+        if grad_out is not None:
+            grad_out = grad_out.reshape(-1, grad_out.shape[-2], c)
+        if grad_h is not None:
+            grad_h = grad_h.reshape(-1, c)
+        stats = None if r2 is None else (r, pq, r2, p2)
+        ds, du, dq, db, df, dw = _step_backward(backend, s2, u2, beta, a, out2, stats, next_query, gate_query,
+                                                gate_bias, forget_bias, grad_out, grad_h, eps)
+        return ds.reshape(*lead, m, c), du.reshape(*lead, c), dw, dq, db, df, None
+
+
+class _TieZeroGrad(torch.autograd.Function):
+    """Identity on ``x`` that gives ``p`` an exact zero gradient (merge 0's pool sees one stream, so its
+    softmax is 1 whatever its query: the true gradient is 0; this keeps the parameter 'used' for DDP)."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        ctx.p_meta = (p.shape, p.dtype, p.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        shape, dtype, device = ctx.p_meta
+        return g, torch.zeros(shape, dtype=dtype, device=device)

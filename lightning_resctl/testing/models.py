@@ -1,0 +1,160 @@
+"""The nanoGPT used by the benchmarks (tests may import it too), and hand wiring of merge rules into it.
+
+* :class:`NanoGPT` — nanoGPT-style decoder: token + position embeddings, pre-norm blocks
+  ``x = x + attn(ln_1(x))``, ``x = x + mlp(ln_2(x))``, tied head (same as ``tests/models.NanoGPT``).
+* :func:`wire_merges` — replace both residual additions of every block by ``merge(x, update)`` (no surgery).
+* :func:`wire_hyper_connections` — HC / mHC of the ``hyper-connections`` package wired by hand into the
+  same GPT (the package's own ``expand_stream`` / ``reduce_stream`` and one connection per sub-layer).
+"""
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["NanoGPT", "Block", "CausalSelfAttention", "MLP", "wire_merges", "wire_hyper_connections", "gpt_loss"]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, bias: bool = True):
+        super().__init__()
+        assert n_embd % n_head == 0
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.n_head = n_head
+        self.n_embd = n_embd
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, bias: bool = True):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, bias: bool = True):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, bias)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT-style GPT: token + position embeddings, ``n_layer`` pre-norm blocks, tied head.
+
+    ``forward(idx) -> logits`` of shape (B, T, vocab_size).
+    """
+
+    def __init__(self, vocab_size: int = 64, block_size: int = 16, n_layer: int = 2, n_head: int = 2,
+                 n_embd: int = 32, bias: bool = True):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList([Block(n_embd, n_head, bias) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+        self.example_input_array = torch.randint(0, vocab_size, (2, block_size))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)  # a positional embedding: not a merge
+        for block in self.h:
+            x = block(x)
+        x = self.ln_f(x)
+        return self.lm_head(x)
+
+
+def gpt_loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of ``model(idx)``."""
+    logits = model(idx)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), idx[:, 1:].flatten())
+
+
+def wire_merges(model: NanoGPT, merge) -> NanoGPT:
+    """Replace both residual additions of every block by ``merge(x, update)``; returns ``model``."""
+
+    def forward(block, x):
+        x = merge(x, block.attn(block.ln_1(x)))
+        return merge(x, block.mlp(block.ln_2(x)))
+
+    for block in model.h:
+        block.forward = types.MethodType(forward, block)
+    return model
+
+
+def wire_hyper_connections(model: NanoGPT, kind: str = "hc", streams: int = 4) -> NanoGPT:
+    """Wire ``hyper-connections`` (lucidrains) HC (``kind="hc"``) or mHC (``kind="mhc"``) with ``streams``
+    streams into every sub-layer of ``model`` (in place; adds the connections' parameters). Raises
+    ImportError when the package is absent."""
+    if kind == "hc":
+        from hyper_connections import get_init_and_expand_reduce_stream_functions as get_fns
+    elif kind == "mhc":
+        from hyper_connections import mc_get_init_and_expand_reduce_stream_functions as get_fns
+    else:
+        raise ValueError(f"kind must be 'hc' or 'mhc', got {kind!r}")
+    init_hc, expand, reduce = get_fns(streams, dim=model.ln_f.normalized_shape[0])
+    model.hc_layers = nn.ModuleList()
+    for i, block in enumerate(model.h):
+        block.hc_attn = init_hc(layer_index=2 * i)
+        block.hc_mlp = init_hc(layer_index=2 * i + 1)
+
+        def forward(blk, x):
+            h, add = blk.hc_attn(x)
+            x = add(blk.attn(blk.ln_1(h)))
+            h, add = blk.hc_mlp(x)
+            return add(blk.mlp(blk.ln_2(h)))
+
+        block.forward = types.MethodType(forward, block)
+
+    def gpt_forward(m, idx):
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = expand(m.wte(idx) + m.wpe(pos))
+        for blk in m.h:
+            x = blk(x)
+        return m.lm_head(m.ln_f(reduce(x)))
+
+    model.forward = types.MethodType(gpt_forward, model)
+    del model.hc_layers
+    return model

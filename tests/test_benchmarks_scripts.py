@@ -1,0 +1,70 @@
+"""benchmarks/gpu_check.sh (dry run and the no-CUDA path) and the benchmarks' independence from tests/."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+STEPS = ["kernel-tests", "bench-rescontroller", "bench-mgr", "bench-peers"]
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def run(*args, env=None):
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})}, cwd=ROOT)
+
+
+def test_dry_run_lists_the_steps_in_order():
+    res = run("--dry-run")
+    assert res.returncode == 0, res.stderr
+    listed = re.findall(r"^(\d+)\. (\S+) \(limit (\d+) s\): (.+)$", res.stdout, flags=re.M)
+    assert [name for _, name, _, _ in listed] == STEPS
+    assert [int(i) for i, _, _, _ in listed] == [1, 2, 3, 4]
+    assert sum(int(limit) for _, _, limit, _ in listed) <= 8 * 60  # the whole check fits in 8 minutes
+    cmds = {name: cmd for _, name, _, cmd in listed}
+    assert "TRITON_INTERPRET=0" in cmds["kernel-tests"] and "-k device_" in cmds["kernel-tests"]
+    assert "--dtype bf16" in cmds["bench-peers"] and "--T 1024" in cmds["bench-peers"]
+    assert "nothing executed" in res.stdout
+
+
+def test_dry_run_commands_name_existing_files_and_flags():
+    listed = re.findall(r"^\d+\. \S+ \(limit \d+ s\): (.+)$", run("--dry-run").stdout, flags=re.M)
+    for cmd in listed:
+        for path in re.findall(r"(?:benchmarks|tests)/\S+\.py", cmd):
+            assert (ROOT / path).exists(), path
+    assert any("bench_peers.py" in c for c in listed)
+    help_text = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--help"],
+                               capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
+    for flag in ("--device", "--dtype", "--threads", "--layers", "--C", "--heads", "--T", "--batch", "--reps"):
+        assert flag in help_text
+
+
+def test_the_device_tests_it_selects_exist_and_run_in_the_normal_suite():
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "tests/test_mgr_kernels.py", "-k", "device_"], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    names = [line for line in res.stdout.splitlines() if "::test_device_" in line]
+    assert any("rescontroller" in n for n in names) and any("mgr" in n for n in names)
+
+
+def test_without_cuda_it_says_so_and_exits_zero(tmp_path):
+    # hide every GPU from torch: the script must not start any step
+    res = run(env={"CUDA_VISIBLE_DEVICES": "", "REPORT": str(tmp_path / "r.md")})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no CUDA device" in res.stdout
+    assert not (tmp_path / "r.md").exists()
+
+
+def test_benchmarks_do_not_import_from_tests():
+    for path in (ROOT / "benchmarks").glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"^\s*(from|import)\s+tests\b", text, flags=re.M), path
+        assert '/ "tests"' not in text, path
