@@ -380,3 +380,33 @@ def test_gradient_accumulation_equals_one_big_batch(method):
 def test_unpatch_of_a_non_module_is_a_type_error():
     with pytest.raises(TypeError, match="model"):
         unpatch_residuals("x")
+
+
+class BiasNet(nn.Module):
+    """One learned position bias added to every layer's attention scores (mpnet/T5 style): a tensor reused
+    across layers is not a residual stream, even though it reaches later layers through earlier merges."""
+
+    def __init__(self, T=5, layers=3):
+        super().__init__()
+        self.rel = nn.Embedding(2 * T, 1)
+        self.q = nn.ModuleList(nn.Linear(C, C) for _ in range(layers))
+        self.v = nn.ModuleList(nn.Linear(C, C) for _ in range(layers))
+        self.T = T
+
+    def forward(self, x):
+        pos = torch.arange(self.T)
+        bias = self.rel(pos[None, :] - pos[:, None] + self.T).squeeze(-1).expand(x.shape[0], -1, -1).contiguous()
+        for q, v in zip(self.q, self.v):
+            scores = q(x) @ x.transpose(1, 2)
+            scores = scores + bias
+            x = x + v(scores.softmax(-1) @ x)
+        return x
+
+
+def test_a_bias_reused_by_every_layer_is_not_a_merge():
+    model = BiasNet()
+    report = patch_residuals(model, method="add", example_input=(_x(),))
+    assert [s.source_line for s in report.sites] == ["x = x + v(scores.softmax(-1) @ x)"] * 3
+    skipped = [s for s in report.skipped if "scores + bias" in s.source_line]
+    assert skipped and all("reused across layers" in s.reason or "independent" in s.reason for s in skipped)
+    assert any("reused across layers" in s.reason for s in skipped)

@@ -428,6 +428,12 @@ def _classify(ev: AddEvent, nodes: list, merge_of: Optional[dict] = None) -> Non
             ev.reason = ("the update is computed from the stream without learned parameters "
                          "(an elementwise expression, not a branch)")
             return
+        crossed = sorted(n for n in between if n in (merge_of or {}))
+        if crossed:
+            ev.reason = ("the other operand depends on this one only through another residual merge "
+                         f"({merge_of[crossed[0]].location}): a tensor reused across layers (e.g. an attention "
+                         "position bias added to every layer's scores), not a stream and its branch")
+            return
         ev.stream_operand = idx
         ev.branch_ops = frozenset(nodes[n].op for n in between)
         ev.branch_modules = frozenset(nodes[n].module for n in between)
