@@ -34,7 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning_resctl  # noqa: E402
 from lightning_resctl.memory import saved_tensor_bytes  # noqa: E402
-from lightning_resctl.testing.models import NanoGPT, gpt_loss, wire_hyper_connections, wire_merges  # noqa: E402
+from lightning_resctl.testing.models import (  # noqa: E402
+    NanoGPT,
+    add_step_arguments,
+    gpt_loss,
+    wire_hyper_connections,
+    wire_merges,
+)
 
 STREAMS = 4
 # the project's variants listed first, in this order: (label, method name, patch options)
@@ -228,14 +234,7 @@ def report(rows: list[dict], args) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: leave the machine's)")
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--C", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--T", type=int, default=64)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=2)
+    add_step_arguments(p)
     p.add_argument("--only", default="", help="comma-separated variant labels to run (default: all)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast")

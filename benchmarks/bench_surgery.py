@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_resctl.memory import saved_tensor_bytes  # noqa: E402
 from lightning_resctl.surgery import patch_residuals  # noqa: E402
-from lightning_resctl.testing.models import NanoGPT  # noqa: E402
+from lightning_resctl.testing.models import NanoGPT, add_step_arguments  # noqa: E402
 
 VARIANTS = ("unpatched", "add", "rescontroller", "mgr")
 GOALS = {"add": (1.02, None), "rescontroller": (1.10, 1.2), "mgr": (1.30, 1.3)}
@@ -123,14 +123,7 @@ def bench(name: str, args) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="nanogpt,gpt2")
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--C", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--T", type=int, default=64)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=2)
+    add_step_arguments(p)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: leave as is)")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     args = p.parse_args(argv)

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["NanoGPT", "Block", "CausalSelfAttention", "MLP", "wire_merges", "wire_hyper_connections", "gpt_loss"]
+__all__ = ["NanoGPT", "Block", "CausalSelfAttention", "MLP", "wire_merges", "wire_hyper_connections", "gpt_loss",
+           "add_step_arguments"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -158,3 +159,16 @@ def wire_hyper_connections(model: NanoGPT, kind: str = "hc", streams: int = 4) -
     model.forward = types.MethodType(gpt_forward, model)
     del model.hc_layers
     return model
+
+
+def add_step_arguments(parser, *, layers: int = 12, C: int = 256, reps: int = 15) -> None:
+    """The benchmarks' shared flags for one nanoGPT training step: shape (layers, C, heads, T, batch, vocab)
+    and repetitions (reps, warmup)."""
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--C", type=int, default=C)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--T", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--warmup", type=int, default=2)
