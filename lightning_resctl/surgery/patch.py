@@ -698,6 +698,7 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
         while f"{rule.chain_attr}{n}" in owner._modules:
             n += 1
         attr = f"{rule.chain_attr}{n}"
+        mod.train(owner.training)  # new modules follow the mode of the module they are added to
         owner.add_module(attr, mod)
         state.added.append((owner, attr))
         chain_modules[ci] = mod
@@ -721,6 +722,7 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
             rule, path=plan.paths[id(ev0.owner)], location=ev0.location, source_line=_source_line(ev0),
             stream_shape=ev0.shapes[0], chain=ci, positions=positions, dim=d, inplace=inplace, merge=merge,
             chain_module=chain_modules[ci], run=None if not is_chain else _PENDING)
+        sites[key].train(ev0.owner.training)  # new modules follow the mode of the module they are added to
         # set after construction (sites.py is not concerned): branch label and free-function provenance
         sites[key].branch = branch_kind(ev0)
         sites[key].function = ev0.function_name if ev0.calls else ""
@@ -740,13 +742,6 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
         for site in sites.values():
             site.__dict__["_run"] = runs[site.chain]
             site.mode_positions = {"train": site.positions, "eval": tuple(site.mode_positions.get("eval", ()))}
-
-    # new modules follow the mode of the module they are added to
-    for site in sites.values():
-        site.train(plan.groups and site_owner_training(plan, site))
-    for ci, mod in enumerate(chain_modules):
-        if mod is not None:
-            mod.train(owners[ci].training)
 
     # bind: register sites, swap classes
     for oid, (owner, spec, attrs) in plan.methods.items():
@@ -769,13 +764,6 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
             branch=getattr(site, "branch", ""), function=getattr(site, "function", ""),
             called_at=getattr(site, "called_at", "")))
     return state
-
-
-def site_owner_training(plan: _Plan, site: MergeSite) -> bool:
-    for owner, _, attrs in plan.methods.values():
-        if plan.paths.get(id(owner)) == site.path:
-            return owner.training
-    return True
 
 
 _PENDING = ChainRun(-1, 0, {})  # placeholder until the chain's run is built
