@@ -19,7 +19,8 @@ class MGRConfig:
     streams: n >= 2 parallel streams per token.
     gating: "competitive" (softmax with a forget logit) or "independent" (sigmoid per stream).
     invert: fallback inversion in the backward (True, False, "auto": fp32/fp64 eager).
-    backend: "auto", "torch", "triton" or "reference".
+    backend: "auto" (Triton on CUDA, else torch), "torch", "triton" ("native" is an alias), "torch-eager",
+        "torch-compiled" (an inductor region on CPU, opt-in) or "reference" (the oracle).
     b_base, l_base, beta_init_max: depth-aware gate-bias init.
     invert_top_p, invert_threshold, invert_max_gain: rows the inversion saves exactly.
     eps: RMSNorm epsilon.

@@ -19,7 +19,8 @@ class ResControllerConfig:
     stream_ratio: allowed candidate-stream RMS relative to the residual RMS.
     update_softness / stream_softness: sharpness of the soft caps.
     eps: inside every root and denominator.
-    backend: "auto" (Triton on CUDA, else torch), "torch", "triton" ("native" is an alias).
+    backend: "auto" (Triton on CUDA, else torch), "torch" (on CPU one compiled region per direction when a
+        C++ compiler is present), "torch-eager", "torch-compiled", "triton" ("native" is an alias).
     """
 
     update_ratio: float = 0.18
