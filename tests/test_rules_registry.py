@@ -196,3 +196,43 @@ def test_every_rule_logs_its_own_diagnostics_through_the_one_callback(method, tm
         assert own, f"{method} logged no family of its own"
         assert any(v == v for vals in own.values() for v in vals)
         assert all(v != float("inf") for vals in own.values() for v in vals)
+
+
+@pytest.mark.parametrize("method", merge_rules())
+def test_every_rule_trains_validates_checkpoints_resumes_and_reloads(method, tmp_path):
+    """A stranger's loop: fit with validation (train/eval switches), save, resume from the checkpoint,
+    then rebuild the trained network in a fresh module from the checkpoint alone."""
+    from lightning_resctl import patch_from_state_dict
+
+    def trainer(steps, name):
+        cb = ResidualControlCallback(method=method, log_every_n_steps=1, depth_images=False, dirpath=str(tmp_path))
+        return L.Trainer(max_steps=steps, limit_val_batches=1, val_check_interval=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[cb], default_root_dir=tmp_path / name)
+
+    module = LitToy()
+    t = trainer(2, "a")
+    t.fit(module, _loader(), _loader())
+    ckpt = tmp_path / "a.ckpt"
+    t.save_checkpoint(str(ckpt))
+    x = module.example_input_array
+    module.eval()
+    with torch.no_grad():
+        ref = module(x)
+    saved = torch.load(ckpt, weights_only=True)["state_dict"]
+
+    resumed = LitToy()
+    t2 = trainer(2, "b")  # max_steps already reached: fit restores the checkpoint and stops
+    t2.fit(resumed, _loader(), _loader(), ckpt_path=str(ckpt))
+    resumed.eval()
+    with torch.no_grad():
+        assert torch.equal(resumed(x), ref)
+
+    fresh = LitToy()
+    with pytest.raises(RuntimeError, match="_resctl_site"):
+        LitToy().load_state_dict(saved)
+    report = patch_from_state_dict(fresh, saved)
+    assert report.method == method
+    fresh.eval()
+    with torch.no_grad():
+        assert torch.equal(fresh(x), ref)
