@@ -1,10 +1,10 @@
 """Standalone 2-process CPU DDP run for tests/test_surgery_lightning.py (strategy="ddp" relaunches sys.argv).
 
-    python tests/ddp_surgery_script.py OUT_DIR
+    python tests/ddp_surgery_script.py OUT_DIR [METHOD]
 
-A tiny NanoGPT in a LightningModule is patched with method="mgr" from a Callback's ``setup`` (before
+A tiny NanoGPT in a LightningModule is patched with METHOD (default "mgr") from a Callback's ``setup`` (before
 ``configure_optimizers`` and before DDP wraps it) and trains 3 SGD steps on 2 gloo processes. Each rank
-writes ``rank{r}.pt``: the MGR parameters at init and after training, the names of the optimizer's
+writes ``rank{r}.pt``: the parameters the patch added, at init and after training, the names of the optimizer's
 parameters, the number of patched sites and whether the model that DDP wrapped is the patched one.
 """
 from __future__ import annotations
@@ -44,19 +44,21 @@ class LitGPT(L.LightningModule):
 
 
 class PatchInSetup(L.Callback):
-    def __init__(self):
+    def __init__(self, method: str = "mgr"):
         self.init = None
+        self.method = method
+        self.new = []
 
     def setup(self, trainer, pl_module, stage):
-        patch_residuals(pl_module, method="mgr")
-        self.init = {n: p.detach().clone() for n, p in pl_module.named_parameters() if "_resctl_mgr" in n}
+        self.new = patch_residuals(pl_module, method=self.method).new_parameters
+        self.init = {n: pl_module.get_parameter(n).detach().clone() for n in self.new}
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, method: str = "mgr") -> None:
     torch.manual_seed(0)
     data = TensorDataset(torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(0)))
     model = LitGPT()
-    cb = PatchInSetup()
+    cb = PatchInSetup(method)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[cb])
@@ -73,11 +75,11 @@ def main(out_dir: str) -> None:
         "optimizer_params": in_opt,
         "wrapped_is_patched_model": inner is model or getattr(inner, "module", None) is model,
         "init": cb.init,
-        "final": {n: p.detach().clone() for n, p in model.named_parameters() if "_resctl_mgr" in n},
+        "final": {n: model.get_parameter(n).detach().clone() for n in cb.new},
         "all_final": {n: p.detach().clone() for n, p in model.named_parameters()},
     }
     torch.save(result, Path(out_dir) / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
