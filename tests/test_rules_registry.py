@@ -1,6 +1,7 @@
 """The merge-rule registry: one name space, options checked once, rules defined outside the package."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import lightning as L
@@ -236,3 +237,27 @@ def test_every_rule_trains_validates_checkpoints_resumes_and_reloads(method, tmp
     fresh.eval()
     with torch.no_grad():
         assert torch.equal(fresh(x), ref)
+
+
+def test_outside_rule_works_by_name_in_the_compare_job(half, tmp_path):
+    import json
+    import sysconfig
+    from pathlib import Path
+
+    from lightning_resctl.compare import parse_config, run_comparison
+
+    text = tmp_path / "corpus.txt"
+    text.write_text((Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8")[:8000])
+    out = tmp_path / "out"
+    cfg = parse_config(["--text", str(text), "--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--block-size",
+                        "16", "--batch-size", "4", "--steps", "3", "--eval-every", "3", "--val-batches", "1",
+                        "--seeds", "1", "--methods", f"plain,{half}", "--ablation", "false", "--progress-bar",
+                        "false", "--out", str(out), "--threads", "1", "--depth-images", "false",
+                        "--cost-steps", "1", "--cost-warmup", "0"])
+    run_comparison(cfg)
+    summary = json.loads((out / "summary.json").read_text())
+    text_md = (out / "summary.md").read_text()
+    assert half in text_md and "stream + scale * update" in text_md
+    runs = {r["method"]: r for r in summary["runs"]}
+    assert runs[half]["sites"] == 4 and runs[half]["patch_options"] == {"scale": 0.5}
+    assert math.isfinite(runs[half]["final_val_loss"])
