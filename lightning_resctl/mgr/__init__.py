@@ -1,14 +1,8 @@
 """Multi-Gate Residuals (MGR): n gated streams per token instead of one residual stream.
 
-Math (per token; streams ``S`` have layout ``(..., n, C)``, the n streams of a token contiguous;
-``RMSNorm(x) = x / sqrt(mean(x^2) + 1e-6)`` over C, no parameters, fp32)::
-
-    AttnPool     a_i = softmax_i( w . RMSNorm(s_i) / sqrt(C) ),     h = sum_i a_i s_i
-    branch       u   = F(h)                                         (the user's sub-layer)
-    gates        z_i = q . RMSNorm(s_i) / sqrt(C)
-                 independent: beta_i = sigmoid(z_i + b_i)
-                 competitive: beta   = softmax([f, z_1 + c_1, ..., z_n + c_n])[1:]
-    lerp         s'_i = (1 - beta_i) s_i + beta_i u
+The math (AttnPool read, independent / competitive gates, the per-stream lerp, the depth-aware
+gate-bias init) is stated once, in :mod:`lightning_resctl.mgr.reference`, the oracle every other path
+is tested against.
 
 A chain of ``num_merges`` merges starts with one stream (the chain input x); the first n-1 merges
 *accumulate* (append their branch output as a new stream, no gate); merges n-1.. are gated. The chain
