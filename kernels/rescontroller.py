@@ -172,6 +172,16 @@ def _blocked_sums(r_ptr, u_ptr, g_ptr, n_cols, inv_k, CDT: tl.constexpr, BLOCK: 
 
 
 @triton.jit
+def _row_moments(r, u, THRESHOLD: tl.constexpr):
+    """One row in registers: the scale 1/k (k = 1 below THRESHOLD) and the moments of r/k and u/k;
+    also returns u/k (the backward's Σ g·u/k reads it)."""
+    inv_k = _inv_scale(tl.max(tl.maximum(tl.abs(r), tl.abs(u)), axis=0), THRESHOLD)
+    rs = r * inv_k
+    us = u * inv_k
+    return inv_k, tl.sum(rs * rs, axis=0), tl.sum(us * us, axis=0), tl.sum(rs * us, axis=0), us
+
+
+@triton.jit
 def _fwd_kernel(
     r_ptr, u_ptr, out_ptr, n_cols,
     ur, sr, ku, ks, eps,
@@ -187,12 +197,7 @@ def _fwd_kernel(
         mask = cols < n_cols
         r = _load_row(r_ptr, cols, mask, CDT)
         u = _load_row(u_ptr, cols, mask, CDT)
-        inv_k = _inv_scale(tl.max(tl.maximum(tl.abs(r), tl.abs(u)), axis=0), THRESHOLD)
-        rs = r * inv_k
-        us = u * inv_k
-        srr = tl.sum(rs * rs, axis=0)
-        suu = tl.sum(us * us, axis=0)
-        sru = tl.sum(rs * us, axis=0)
+        inv_k, srr, suu, sru, _ = _row_moments(r, u, THRESHOLD)
         s_u, s_s = _scales(srr, suu, sru, d, ur, sr, ku, ks, eps, inv_k)
         out = r + (s_u * s_s) * u
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -227,12 +232,7 @@ def _bwd_kernel(
         g = _load_row(g_ptr, cols, mask, CDT)
         r = _load_row(r_ptr, cols, mask, CDT)
         u = _load_row(u_ptr, cols, mask, CDT)
-        inv_k = _inv_scale(tl.max(tl.maximum(tl.abs(r), tl.abs(u)), axis=0), THRESHOLD)
-        rs = r * inv_k
-        us = u * inv_k
-        srr = tl.sum(rs * rs, axis=0)
-        suu = tl.sum(us * us, axis=0)
-        sru = tl.sum(rs * us, axis=0)
+        inv_k, srr, suu, sru, us = _row_moments(r, u, THRESHOLD)
         sgu = tl.sum(g * us, axis=0)
         a, c_rr, c_uu, c_ru = _chain_backward(sgu, srr, suu, sru, d, ur, sr, ku, ks, eps, inv_k)
         tl.store(gr_ptr + cols, (g + c_rr * r + c_ru * u).to(gr_ptr.dtype.element_ty), mask=mask)
