@@ -593,15 +593,19 @@ def _chain_dim(chain: list) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- apply
+def _common_path(paths: list) -> list:
+    """The longest common prefix of dotted module paths, as a list of names."""
+    common = []
+    for parts in zip(*[p.split(".") if p else [] for p in paths]):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    return common
+
+
 def _lca_owner(model: nn.Module, paths: list) -> tuple:
     """The nearest common ancestor of module paths that is not a container (ModuleList, Sequential...)."""
-    split = [p.split(".") if p else [] for p in paths]
-    common = []
-    for parts in zip(*split):
-        if all(p == parts[0] for p in parts):
-            common.append(parts[0])
-        else:
-            break
+    common = _common_path(paths)
     while True:
         path = ".".join(common)
         mod = model.get_submodule(path) if path else model
@@ -623,13 +627,7 @@ def _chain_scope(model: nn.Module, obs: Observation, paths: list) -> nn.Module:
     """The module whose forward delimits one run of a chain: from the common ancestor of the chain's
     modules ``paths`` up, the first module that the observed forward called exactly once (at worst the
     model itself)."""
-    split = [p.split(".") if p else [] for p in paths]
-    common = []
-    for parts in zip(*split):
-        if any(p != parts[0] for p in parts):
-            break
-        common.append(parts[0])
-    path = ".".join(common)
+    path = ".".join(_common_path(paths))
     while True:
         mod = model.get_submodule(path) if path else model
         if obs.call_counts.get(id(mod), 0) == 1 or not path:
