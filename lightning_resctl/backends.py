@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Optional
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._triton import interpreter_mode, kernel_module, triton_available
 
@@ -99,58 +100,138 @@ def torch_mode(backend: str, tensor) -> str:
     return "compiled" if on_cpu and cpu_compile_available() else "eager"
 
 
-def _signature(args) -> tuple:
-    """What distinguishes compiled graphs of a call: tensors by (dtype, rank, device), other values as they are."""
+def _flatten(args, tensors: list) -> Optional[tuple]:
+    """Key of ``args`` (nested tuples / lists) for one compiled graph, appending their tensors to ``tensors``;
+    None when a value cannot be part of a compiled signature (a non-contiguous tensor, an unsupported type).
+
+    Tensors by (dtype, device type, rank); other values as they are (they are baked into the graph)."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            out.append((a.dtype, a.dim(), a.device.type))
+            if not a.is_contiguous():
+                return None
+            tensors.append(a)
+            out.append((a.dtype, a.device.type, a.dim()))
         elif isinstance(a, (tuple, list)):
-            out.append(_signature(a))
+            inner = _flatten(a, tensors)
+            if inner is None:
+                return None
+            out.append((type(a), inner))
+        elif isinstance(a, (int, float, str, bool, type(None))):
+            out.append((type(a), a))
         else:
-            out.append(a if isinstance(a, (int, float, str, bool, type(None))) else type(a).__name__)
+            return None
     return tuple(out)
 
 
+def _size_pattern(tensors: list) -> tuple:
+    """All the tensors' sizes, 0 and 1 as they are (the trace specializes them), a larger size as the index of
+    its first occurrence (the trace assumes sizes it saw equal to stay equal, and no others)."""
+    seen: dict = {}
+    return tuple(size if size < 2 else seen.setdefault(size, len(seen) + 2) for t in tensors for size in t.shape)
+
+
+def _rebuild(template, tensors):
+    """``template`` (the first call's arguments) with its tensors replaced, in order, from the iterator ``tensors``."""
+    out = []
+    for a in template:
+        if isinstance(a, torch.Tensor):
+            out.append(next(tensors))
+        elif isinstance(a, (tuple, list)):
+            out.append(type(a)(_rebuild(a, tensors)))
+        else:
+            out.append(a)
+    return out
+
+
 class CompiledRegion:
-    """``fn`` compiled by inductor (dynamic shapes) on first use, with an eager fallback.
+    """``fn`` (pure tensor math: no in-place update of its inputs, no branch on sizes) compiled by inductor, once
+    per call signature, and called without re-tracing or guard evaluation.
 
-    If compiling or running the compiled code fails, a warning is issued once, and ``fn`` runs eagerly from then
-    on (a genuine error of the inputs is then raised by the eager call); an input signature past dynamo's
-    recompile limit runs eagerly without a warning. ``first_call_s`` records the wall time of the first call
-    (which holds the compile)."""
+    A signature is: the arguments' structure and non-tensor values (baked into the graph as constants), each
+    tensor's dtype, device type and contiguity, and the size pattern of all tensors (sizes 0 / 1 as they are,
+    larger ones by which of them are equal; see :func:`_flatten`). The first call with a signature traces ``fn``
+    with symbolic sizes (``make_fx``) and compiles the graph (``compile_fx``): one compile serves every batch
+    size and sequence length of that pattern. Later calls run the compiled code directly: the signature is the
+    guard, so dynamo's per-call guard evaluation (tens of microseconds in a training step) is not paid.
 
-    def __init__(self, fn):
+    Falls back to eager ``fn``, always with the same result:
+
+    * for non-contiguous tensors, under grad mode with an input that requires grad, and past ``max_signatures``
+      compiled signatures (silently: the math is the same, only slower);
+    * after a failed compile or run: a warning is issued once and ``fn`` runs eagerly from then on (a genuine
+      error of the inputs is then raised by the eager call).
+
+    ``first_call_s`` records the wall time of the first compiled call (which holds the compile)."""
+
+    def __init__(self, fn, max_signatures: int = 8):
         self.fn = fn
-        self.compiled = None
+        self.max_signatures = max_signatures
+        self.entries: dict = {}
         self.failed: Optional[str] = None
         self.first_call_s: Optional[float] = None
-        self.eager_keys: set = set()
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args):
         if self.failed is not None:
             return self.fn(*args)
-        key = _signature(args)
-        if key in self.eager_keys:
+        tensors: list = []
+        key = _flatten(args, tensors)
+        if key is None or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             return self.fn(*args)
-        if self.compiled is None:
-            self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
-        first = self.first_call_s is None
-        t0 = time.perf_counter()
+        key = (key, _size_pattern(tensors))
+        entry = self.entries.get(key)
+        if entry is None:
+            if len(self.entries) >= self.max_signatures:
+                return self.fn(*args)
+            t0 = time.perf_counter()
+            entry = self._compile(args, tensors)
+            if entry is None:
+                return self.fn(*args)
+            self.entries[key] = entry
+            out = self._run(entry, args, tensors)
+            if self.first_call_s is None:
+                self.first_call_s = time.perf_counter() - t0
+            return out
+        return self._run(entry, args, tensors)
+
+    def _run(self, entry, args, tensors):
+        compiled, out_spec, fixed = entry
+        if fixed and any(tensors[i].shape[d] != size for i, d, size in fixed):
+            return self.fn(*args)
         try:
-            out = self.compiled(*args)
-        except Exception as err:  # noqa: BLE001 - any compiler failure: fall back to the eager math
-            msg = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            if "RecompileLimit" in type(err).__name__ or "recompile" in msg.lower():
-                # more input signatures (dtype, rank, dim) than dynamo compiles per function: this one stays eager
-                self.eager_keys.add(key)
-            else:
-                self.failed = msg
-                warnings.warn(f"lightning_resctl: compiling {self.fn.__name__} failed ({msg}); running the torch "
-                              f"path eagerly (set {COMPILE_ENV}=0 or backend='torch-eager' to skip the attempt)",
-                              RuntimeWarning, stacklevel=3)
+            outs = compiled(*tensors)
+        except Exception as err:  # noqa: BLE001 - any failure of the compiled code: fall back to the eager math
+            self._fail(err)
             return self.fn(*args)
-        if first:
-            self.first_call_s = time.perf_counter() - t0
-        return out
+        return tree_unflatten(list(outs), out_spec)
+
+    def _compile(self, args, tensors):
+        from torch._inductor.compile_fx import compile_fx
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        spec: list = []
+
+        def flat(*ts):
+            leaves, out_spec = tree_flatten(self.fn(*_rebuild(args, iter(ts))))
+            spec.append(out_spec)
+            return tuple(leaves)
+
+        try:
+            graph = make_fx(flat, tracing_mode="symbolic")(*tensors)
+            examples = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")]
+            # sizes >= 2 the trace specialized to a constant (e.g. a fixed feature count): checked on each call
+            fixed = tuple((i, d, s) for i, (fake, real) in enumerate(zip(examples, tensors))
+                          for d, (f, s) in enumerate(zip(fake.shape, real.shape)) if s >= 2 and not isinstance(f, torch.SymInt))
+            return compile_fx(graph, examples), spec[-1], fixed
+        except Exception as err:  # noqa: BLE001 - any compiler failure: fall back to the eager math
+            self._fail(err)
+            return None
+
+    def _fail(self, err: BaseException) -> None:
+        msg = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        self.failed = msg
+        warnings.warn(f"lightning_resctl: compiling {self.fn.__name__} failed ({msg}); running the torch "
+                      f"path eagerly (set {COMPILE_ENV}=0 or backend='torch-eager' to skip the attempt)",
+                      RuntimeWarning, stacklevel=4)
+

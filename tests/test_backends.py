@@ -1,0 +1,122 @@
+"""lightning_resctl.backends.CompiledRegion: one inductor compile per call signature, called without dynamo,
+always the eager function's result."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_resctl import backends
+from lightning_resctl.backends import CompiledRegion
+
+needs_compiler = pytest.mark.skipif(not backends.cpu_compile_available(), reason="no C++ compiler for inductor")
+
+
+def _math(a, b, scale, dim):
+    """A row reduction and an elementwise epilogue (the shape of the merge rules' math), two outputs."""
+    m = (a * b).sum(dim, keepdim=True) * scale
+    return torch.addcmul(a, torch.sigmoid(m), b), {"m": m}
+
+
+@needs_compiler
+def test_one_compile_serves_every_size_of_a_pattern_and_matches_eager():
+    region = CompiledRegion(_math)
+    for shape in [(5, 7, 9), (2, 3, 33), (8, 64, 17)]:
+        a, b = torch.randn(shape), torch.randn(shape)
+        out, extra = region(a, b, 0.5, -1)
+        want, want_extra = _math(a, b, 0.5, -1)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(extra["m"], want_extra["m"])
+    assert len(region.entries) == 1 and region.failed is None and region.first_call_s > 0
+
+
+@needs_compiler
+def test_sizes_seen_equal_are_not_assumed_equal_later():
+    """A trace on a square input may use that both sizes are equal; a later non-square call must not reuse it."""
+    def fn(a):
+        return a * a.sum(0, keepdim=True) + a.sum(1, keepdim=True)
+
+    region = CompiledRegion(fn)
+    for shape in [(6, 6), (6, 5), (5, 6), (1, 6), (6, 1), (3, 3)]:
+        a = torch.randn(shape)
+        torch.testing.assert_close(region(a), fn(a))
+    assert len(region.entries) == 4  # square, non-square, a size 1 in either place
+
+
+@needs_compiler
+def test_constants_and_dtypes_are_part_of_the_signature():
+    region = CompiledRegion(_math)
+    a, b = torch.randn(4, 9), torch.randn(4, 9)
+    for scale, dim in [(0.5, -1), (2.0, -1), (0.5, 0)]:
+        torch.testing.assert_close(region(a, b, scale, dim)[0], _math(a, b, scale, dim)[0])
+    a64, b64 = a.double(), b.double()
+    out = region(a64, b64, 0.5, -1)[0]
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, _math(a64, b64, 0.5, -1)[0])
+    assert len(region.entries) == 4
+
+
+@needs_compiler
+def test_a_size_the_trace_fixed_is_checked_on_each_call():
+    def fn(a):
+        first, *rest = a.split(1, dim=-1)  # the number of pieces fixes the last size in the trace
+        return first * len(rest)
+
+    region = CompiledRegion(fn)
+    a = torch.randn(3, 5)
+    torch.testing.assert_close(region(a), fn(a))
+    b = torch.randn(4, 7)
+    torch.testing.assert_close(region(b), fn(b))
+
+
+@needs_compiler
+def test_eager_for_non_contiguous_inputs_grad_inputs_and_past_the_signature_limit():
+    region = CompiledRegion(_math, max_signatures=1)
+    a, b = torch.randn(6, 5), torch.randn(6, 5)
+    at, bt = a.t(), b.t()
+    torch.testing.assert_close(region(at, bt, 1.0, -1)[0], _math(at, bt, 1.0, -1)[0])
+    assert not region.entries
+    ag = a.clone().requires_grad_()
+    out = region(ag, b, 1.0, -1)[0]
+    assert out.grad_fn is not None and not region.entries  # autograd through the eager math
+    region(a, b, 1.0, -1)
+    torch.testing.assert_close(region(a, b, 3.0, -1)[0], _math(a, b, 3.0, -1)[0])
+    assert len(region.entries) == 1
+
+
+@needs_compiler
+def test_first_compile_under_inference_mode():
+    region = CompiledRegion(_math)
+    with torch.inference_mode():
+        a, b = torch.randn(3, 11), torch.randn(3, 11)
+        torch.testing.assert_close(region(a, b, 1.0, -1)[0], _math(a, b, 1.0, -1)[0])
+    assert len(region.entries) == 1 and region.failed is None
+
+
+def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
+    import torch._inductor.compile_fx as compile_fx_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", broken)
+    region = CompiledRegion(lambda a, b: a * b)
+    x = torch.randn(3)
+    with pytest.warns(RuntimeWarning, match="running the torch path eagerly"):
+        assert torch.equal(region(x, x), x * x)
+    assert region.failed and torch.equal(region(x, x), x * x)  # eager from then on, no second warning
+
+
+@needs_compiler
+def test_compiled_code_that_fails_at_run_time_falls_back(monkeypatch):
+    region = CompiledRegion(lambda a, b: a * b)
+    x = torch.randn(3)
+    region(x, x)
+    (key, (compiled, spec, fixed)), = region.entries.items()
+
+    def broken(*args):
+        raise RuntimeError("bad kernel")
+
+    region.entries[key] = (broken, spec, fixed)
+    with pytest.warns(RuntimeWarning, match="running the torch path eagerly"):
+        assert torch.equal(region(x, x), x * x)
+    assert region.failed
