@@ -357,6 +357,10 @@ class _ResControllerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "rescontroller (torch path): its closed-form backward is not differentiable, so a second derivative "
+                "(a backward with create_graph=True) is not available; rescontroller_reference (plain autograd) has one")
         residual, update, stats = ctx.saved_tensors
         ur, sr, ku, ks, eps, dim, mode = ctx.opts
         _, bwd = _math_fns(mode)

@@ -621,3 +621,14 @@ def test_compiled_torch_path_matches_eager(gating):
         results[backend] = [y.detach(), x.grad] + [p.grad for p in chain.parameters()]
     for got, want in zip(results["torch-compiled"], results["torch-eager"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch-eager", "torch-compiled"])
+@pytest.mark.parametrize("gating", ["independent", "competitive"])
+def test_double_backward_is_refused_with_a_clear_error(backend, gating):
+    """The fused step's closed-form backward is not differentiable again: a second derivative raises."""
+    chain = MGRChain(8, 4, streams=2, gating=gating, backend=backend).double()
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    y = chain(x, [torch.tanh] * 4)
+    with pytest.raises(RuntimeError, match="second derivative"):
+        torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)

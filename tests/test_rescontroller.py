@@ -560,3 +560,16 @@ def test_compiled_region_matches_eager_and_reference(regime):
     for i in range(2):
         torch.testing.assert_close(grads["torch-compiled"][i], grads["torch-eager"][i], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grads["torch-compiled"][i], grads["reference"][i], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch-eager", "torch-compiled"])
+def test_double_backward_is_refused_not_silently_wrong(backend):
+    """The closed-form backward is not itself differentiable (its per-row scalars are saved without a graph):
+    a second derivative must raise, not return a wrong number."""
+    r = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    u = (3 * torch.randn(3, 8, dtype=torch.float64)).requires_grad_()
+    out = rescontroller(r, u, backend=backend)
+    with pytest.raises(RuntimeError, match="second derivative"):
+        torch.autograd.grad(out.pow(2).sum(), r, create_graph=True)
+    g, = torch.autograd.grad(out.pow(2).sum(), r)  # a plain backward is unaffected
+    torch.testing.assert_close(g, torch.autograd.grad(rescontroller_reference(r, u).pow(2).sum(), r)[0])

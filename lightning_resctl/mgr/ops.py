@@ -212,6 +212,10 @@ class _MGRStepFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_h):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "MGR (fused step): its closed-form backward is not differentiable, so a second derivative (a backward "
+                "with create_graph=True) is not available; backend='reference' (plain autograd) has one")
         backend, eps, run, k, last = ctx.cfg
         lead, m, c = ctx.shapes
         if run is None:
