@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import time
 import warnings
 from types import ModuleType
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -102,15 +103,15 @@ def torch_mode(backend: str, tensor) -> str:
 
 def _flatten(args, tensors: list) -> Optional[tuple]:
     """Key of ``args`` (nested tuples / lists) for one compiled graph, appending their tensors to ``tensors``;
-    None when a value cannot be part of a compiled signature (a non-contiguous tensor, an unsupported type).
+    None when a value cannot be part of a compiled signature (a type other than tensors, tuples, lists and
+    Python scalars / strings / None).
 
-    Tensors by (dtype, device type, rank); other values as they are (they are baked into the graph)."""
+    Tensors by (dtype, device type, rank), passed on as contiguous tensors (a strided view is copied: the compiled
+    code reads contiguous rows); other values as they are (they are baked into the graph)."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            if not a.is_contiguous():
-                return None
-            tensors.append(a)
+            tensors.append(a if a.is_contiguous() else a.contiguous())
             out.append((a.dtype, a.device.type, a.dim()))
         elif isinstance(a, (tuple, list)):
             inner = _flatten(a, tensors)
@@ -122,13 +123,6 @@ def _flatten(args, tensors: list) -> Optional[tuple]:
         else:
             return None
     return tuple(out)
-
-
-def _size_pattern(tensors: list) -> tuple:
-    """All the tensors' sizes, 0 and 1 as they are (the trace specializes them), a larger size as the index of
-    its first occurrence (the trace assumes sizes it saw equal to stay equal, and no others)."""
-    seen: dict = {}
-    return tuple(size if size < 2 else seen.setdefault(size, len(seen) + 2) for t in tensors for size in t.shape)
 
 
 def _rebuild(template, tensors):
@@ -144,30 +138,51 @@ def _rebuild(template, tensors):
     return out
 
 
-class CompiledRegion:
-    """``fn`` (pure tensor math: no in-place update of its inputs, no branch on sizes) compiled by inductor, once
-    per call signature, and called without re-tracing or guard evaluation.
+def _size_guard(examples: list) -> Callable[[list], bool]:
+    """A check ``guard(tensors) -> bool`` that the sizes of ``tensors`` satisfy what the symbolic trace assumed of
+    its example inputs ``examples`` (fake tensors): sizes it specialized (0, 1, a constant the math fixed, e.g. by
+    ``math.sqrt(C)``), sizes it saw equal, and bounds (e.g. ``n >= 2``). Strides and storage offsets are left out:
+    the compiled code is only given contiguous tensors, whose strides follow from their sizes."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
-    A signature is: the arguments' structure and non-tensor values (baked into the graph as constants), each
-    tensor's dtype, device type and contiguity, and the size pattern of all tensors (sizes 0 / 1 as they are,
-    larger ones by which of them are equal; see :func:`_flatten`). The first call with a signature traces ``fn``
-    with symbolic sizes (``make_fx``) and compiles the graph (``compile_fx``): one compile serves every batch
-    size and sequence length of that pattern. Later calls run the compiled code directly: the signature is the
-    guard, so dynamo's per-call guard evaluation (tens of microseconds in a training step) is not paid.
+    code = detect_fake_mode(examples).shape_env.produce_guards_expression(examples, ignore_static=False)
+    terms = [t for t in (code.split(" and ") if code else ()) if "stride()" not in t and "storage_offset()" not in t]
+    body = " and ".join("(" + _SIZE_REF.sub(r"t[\1].shape[\2]", t) + ")" for t in terms) or "True"
+    if "L[" in body:
+        raise RuntimeError(f"unexpected guard in the traced graph: {body}")
+    return eval(f"lambda t: {body}", dict(SYMPY_INTERP))  # noqa: S307 - built from the trace's own guards
+
+
+_SIZE_REF = re.compile(r"L\['t(\d+)'\]\.size\(\)\[(\d+)\]")
+
+
+class CompiledRegion:
+    """``fn`` (pure tensor math: no in-place update of its inputs) compiled by inductor, and called without
+    dynamo.
+
+    Calls are grouped by signature: the arguments' structure and non-tensor values (baked into the graph as
+    constants) and each tensor's dtype, device type and rank (strided views are passed as contiguous copies). The
+    first call of a signature traces ``fn`` with symbolic sizes (``make_fx``) and compiles the graph
+    (``compile_fx``); the trace's assumptions about sizes (:func:`_size_guard`) are checked on every call, so one
+    compile serves every batch size and sequence length it holds for, and another size pattern compiles its own
+    graph. The check is a few integer comparisons (dynamo's per-call guard evaluation costs tens of microseconds,
+    which a training step pays per merge).
 
     Falls back to eager ``fn``, always with the same result:
 
-    * for non-contiguous tensors, under grad mode with an input that requires grad, and past ``max_signatures``
-      compiled signatures (silently: the math is the same, only slower);
+    * under grad mode with an input that requires grad (autograd then records the eager ops), and past
+      ``max_graphs`` compiled graphs (silently: the math is the same, only slower);
     * after a failed compile or run: a warning is issued once and ``fn`` runs eagerly from then on (a genuine
       error of the inputs is then raised by the eager call).
 
     ``first_call_s`` records the wall time of the first compiled call (which holds the compile)."""
 
-    def __init__(self, fn, max_signatures: int = 8):
+    def __init__(self, fn, max_graphs: int = 8):
         self.fn = fn
-        self.max_signatures = max_signatures
-        self.entries: dict = {}
+        self.max_graphs = max_graphs
+        self.entries: dict = {}  # signature -> [(compiled, out_spec, guard), ...]
+        self.num_graphs = 0
         self.failed: Optional[str] = None
         self.first_call_s: Optional[float] = None
         functools.update_wrapper(self, fn)
@@ -179,26 +194,25 @@ class CompiledRegion:
         key = _flatten(args, tensors)
         if key is None or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             return self.fn(*args)
-        key = (key, _size_pattern(tensors))
-        entry = self.entries.get(key)
+        graphs = self.entries.setdefault(key, [])
+        for entry in graphs:
+            if entry[2](tensors):
+                return self._run(entry, args, tensors)
+        if self.num_graphs >= self.max_graphs:
+            return self.fn(*args)
+        t0 = time.perf_counter()
+        entry = self._compile(args, tensors)
         if entry is None:
-            if len(self.entries) >= self.max_signatures:
-                return self.fn(*args)
-            t0 = time.perf_counter()
-            entry = self._compile(args, tensors)
-            if entry is None:
-                return self.fn(*args)
-            self.entries[key] = entry
-            out = self._run(entry, args, tensors)
-            if self.first_call_s is None:
-                self.first_call_s = time.perf_counter() - t0
-            return out
-        return self._run(entry, args, tensors)
+            return self.fn(*args)
+        graphs.append(entry)
+        self.num_graphs += 1
+        out = self._run(entry, args, tensors)
+        if self.first_call_s is None:
+            self.first_call_s = time.perf_counter() - t0
+        return out
 
     def _run(self, entry, args, tensors):
-        compiled, out_spec, fixed = entry
-        if fixed and any(tensors[i].shape[d] != size for i, d, size in fixed):
-            return self.fn(*args)
+        compiled, out_spec, _ = entry
         try:
             outs = compiled(*tensors)
         except Exception as err:  # noqa: BLE001 - any failure of the compiled code: fall back to the eager math
@@ -220,10 +234,10 @@ class CompiledRegion:
         try:
             graph = make_fx(flat, tracing_mode="symbolic")(*tensors)
             examples = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")]
-            # sizes >= 2 the trace specialized to a constant (e.g. a fixed feature count): checked on each call
-            fixed = tuple((i, d, s) for i, (fake, real) in enumerate(zip(examples, tensors))
-                          for d, (f, s) in enumerate(zip(fake.shape, real.shape)) if s >= 2 and not isinstance(f, torch.SymInt))
-            return compile_fx(graph, examples), spec[-1], fixed
+            guard = _size_guard(examples)
+            if not guard(tensors):
+                raise RuntimeError("the trace's size guard rejects its own example inputs")
+            return compile_fx(graph, examples), spec[-1], guard
         except Exception as err:  # noqa: BLE001 - any compiler failure: fall back to the eager math
             self._fail(err)
             return None
@@ -234,4 +248,3 @@ class CompiledRegion:
         warnings.warn(f"lightning_resctl: compiling {self.fn.__name__} failed ({msg}); running the torch "
                       f"path eagerly (set {COMPILE_ENV}=0 or backend='torch-eager' to skip the attempt)",
                       RuntimeWarning, stacklevel=4)
-

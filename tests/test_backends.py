@@ -26,7 +26,7 @@ def test_one_compile_serves_every_size_of_a_pattern_and_matches_eager():
         want, want_extra = _math(a, b, 0.5, -1)
         torch.testing.assert_close(out, want)
         torch.testing.assert_close(extra["m"], want_extra["m"])
-    assert len(region.entries) == 1 and region.failed is None and region.first_call_s > 0
+    assert region.num_graphs == 1 and region.failed is None and region.first_call_s > 0
 
 
 @needs_compiler
@@ -39,7 +39,7 @@ def test_sizes_seen_equal_are_not_assumed_equal_later():
     for shape in [(6, 6), (6, 5), (5, 6), (1, 6), (6, 1), (3, 3)]:
         a = torch.randn(shape)
         torch.testing.assert_close(region(a), fn(a))
-    assert len(region.entries) == 4  # square, non-square, a size 1 in either place
+    assert region.num_graphs == 4  # square, non-square, a size 1 in either place
 
 
 @needs_compiler
@@ -52,35 +52,46 @@ def test_constants_and_dtypes_are_part_of_the_signature():
     out = region(a64, b64, 0.5, -1)[0]
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, _math(a64, b64, 0.5, -1)[0])
-    assert len(region.entries) == 4
+    assert region.num_graphs == 4
 
 
 @needs_compiler
-def test_a_size_the_trace_fixed_is_checked_on_each_call():
+def test_sizes_the_trace_fixed_or_bounded_are_checked_on_each_call():
+    import math
+
     def fn(a):
         first, *rest = a.split(1, dim=-1)  # the number of pieces fixes the last size in the trace
-        return first * len(rest)
+        return first * len(rest) / math.sqrt(a.shape[0])  # math.sqrt fixes the first
 
     region = CompiledRegion(fn)
-    a = torch.randn(3, 5)
-    torch.testing.assert_close(region(a), fn(a))
-    b = torch.randn(4, 7)
-    torch.testing.assert_close(region(b), fn(b))
+    for shape in [(3, 5), (4, 7), (3, 5), (4, 7), (3, 6)]:
+        a = torch.randn(shape)
+        torch.testing.assert_close(region(a), fn(a))
+    assert region.num_graphs == 3
+
+    def bounded(a):
+        return a[:, :3] * 2 if a.shape[1] > 3 else a  # a branch on a size: a bound in the trace
+
+    region = CompiledRegion(bounded)
+    for shape in [(2, 5), (2, 3), (2, 9)]:
+        a = torch.randn(shape)
+        torch.testing.assert_close(region(a), bounded(a))
+    assert region.num_graphs == 2
 
 
 @needs_compiler
-def test_eager_for_non_contiguous_inputs_grad_inputs_and_past_the_signature_limit():
-    region = CompiledRegion(_math, max_signatures=1)
+def test_strided_views_grad_inputs_and_the_signature_limit():
+    region = CompiledRegion(_math, max_graphs=1)
     a, b = torch.randn(6, 5), torch.randn(6, 5)
-    at, bt = a.t(), b.t()
-    torch.testing.assert_close(region(at, bt, 1.0, -1)[0], _math(at, bt, 1.0, -1)[0])
-    assert not region.entries
     ag = a.clone().requires_grad_()
     out = region(ag, b, 1.0, -1)[0]
-    assert out.grad_fn is not None and not region.entries  # autograd through the eager math
-    region(a, b, 1.0, -1)
-    torch.testing.assert_close(region(a, b, 3.0, -1)[0], _math(a, b, 3.0, -1)[0])
-    assert len(region.entries) == 1
+    assert out.grad_fn is not None and region.num_graphs == 0  # grad mode: autograd through the eager math
+    at, bt = a.t(), b.t()
+    torch.testing.assert_close(region(at, bt, 1.0, -1)[0], _math(at, bt, 1.0, -1)[0])  # copied to contiguous
+    assert region.num_graphs == 1
+    torch.testing.assert_close(region(a, b, 1.0, -1)[0], _math(a, b, 1.0, -1)[0])
+    torch.testing.assert_close(region(a, b, 3.0, -1)[0], _math(a, b, 3.0, -1)[0])  # past the limit: eager
+    assert region.num_graphs == 1
 
 
 @needs_compiler
@@ -89,7 +100,7 @@ def test_first_compile_under_inference_mode():
     with torch.inference_mode():
         a, b = torch.randn(3, 11), torch.randn(3, 11)
         torch.testing.assert_close(region(a, b, 1.0, -1)[0], _math(a, b, 1.0, -1)[0])
-    assert len(region.entries) == 1 and region.failed is None
+    assert region.num_graphs == 1 and region.failed is None
 
 
 def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
@@ -111,12 +122,13 @@ def test_compiled_code_that_fails_at_run_time_falls_back(monkeypatch):
     region = CompiledRegion(lambda a, b: a * b)
     x = torch.randn(3)
     region(x, x)
-    (key, (compiled, spec, fixed)), = region.entries.items()
+    (graphs,) = region.entries.values()
+    compiled, spec, guard = graphs[0]
 
     def broken(*args):
         raise RuntimeError("bad kernel")
 
-    region.entries[key] = (broken, spec, fixed)
+    graphs[0] = (broken, spec, guard)
     with pytest.warns(RuntimeWarning, match="running the torch path eagerly"):
         assert torch.equal(region(x, x), x * x)
     assert region.failed

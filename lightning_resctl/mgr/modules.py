@@ -155,8 +155,9 @@ class MGRChain(nn.Module):
         streams: n >= 2.
         gating: ``"competitive"`` (softmax with a forget logit; gates sum to < 1) or ``"independent"``.
         invert: fallback inversion in the backward: True, False or ``"auto"`` (fp32/fp64 eager only).
-        backend: ``"auto"``, ``"torch"`` (= ``"torch-eager"``), ``"torch-compiled"``, ``"triton"`` (alias
-            ``"native"``) or ``"reference"``.
+        backend: ``"auto"``, ``"torch"`` (on CPU compiled when a C++ compiler is present, as ``"torch-compiled"``;
+            else ``"torch-eager"``), ``"torch-eager"``, ``"torch-compiled"``, ``"triton"`` (alias ``"native"``) or
+            ``"reference"``.
         b_base, l_base, beta_init_max: the depth-aware init (see :func:`mgr_bias_init`).
         invert_top_p, invert_threshold, invert_max_gain: which rows the inversion saves exactly.
         eps: RMSNorm epsilon.
@@ -348,10 +349,8 @@ class MGRChain(nn.Module):
         if run is None and backend == "triton":
             out, h, _, _ = _kernels().mgr_step(streams, u, wq, gq, gb, fb, self.eps)
             return out, h
-        # MGR's torch path runs eagerly unless asked: its compiled region measured no faster on CPU (the step is
-        # dominated by batched matmuls); "torch-compiled" opts in.
-        mode = "triton" if backend == "triton" else torch_mode("torch-eager" if backend == "torch" else backend,
-                                                               streams)
+        # "torch" on CPU: one compiled region per direction when a C++ compiler is present (lightning_resctl.backends)
+        mode = "triton" if backend == "triton" else torch_mode(backend, streams)
         cfg = (mode, self.eps, run, k, k == self.num_merges - 1)
         return _MGRStepFn.apply(streams, u, wq, gq, gb, fb, cfg)
 
