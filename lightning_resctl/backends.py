@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Callable, Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._triton import interpreter_mode, kernel_module, triton_available
@@ -157,6 +158,20 @@ def _size_guard(examples: list) -> Callable[[list], bool]:
 _SIZE_REF = re.compile(r"L\['t(\d+)'\]\.size\(\)\[(\d+)\]")
 
 
+_COMPILED_DEVICES = ("cpu", "cuda")
+
+
+def _plain_call(tensors: list) -> bool:
+    """Whether compiled code may stand in for the eager math here: plain tensors on CPU / CUDA, no autograd to
+    record, and no dispatch or function mode active (e.g. Lightning's FLOP counter, a fake-tensor mode)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type not in _COMPILED_DEVICES
+           for t in tensors):
+        return False
+    return _current_dispatch_mode() is None and not torch._C._is_torch_function_mode_enabled()
+
+
 class CompiledRegion:
     """``fn`` (pure tensor math: no in-place update of its inputs) compiled by inductor, and called without
     dynamo.
@@ -171,8 +186,9 @@ class CompiledRegion:
 
     Falls back to eager ``fn``, always with the same result:
 
-    * under grad mode with an input that requires grad (autograd then records the eager ops), and past
-      ``max_graphs`` compiled graphs (silently: the math is the same, only slower);
+    * under grad mode with an input that requires grad (autograd then records the eager ops), for tensor
+      subclasses or devices other than CPU / CUDA, while a dispatch or function mode is active (a FLOP counter,
+      fake tensors), and past ``max_graphs`` compiled graphs (silently: the math is the same, only slower);
     * after a failed compile or run: a warning is issued once and ``fn`` runs eagerly from then on (a genuine
       error of the inputs is then raised by the eager call).
 
@@ -192,7 +208,7 @@ class CompiledRegion:
             return self.fn(*args)
         tensors: list = []
         key = _flatten(args, tensors)
-        if key is None or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        if key is None or not _plain_call(tensors):
             return self.fn(*args)
         graphs = self.entries.setdefault(key, [])
         for entry in graphs:

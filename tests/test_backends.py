@@ -132,3 +132,29 @@ def test_compiled_code_that_fails_at_run_time_falls_back(monkeypatch):
     with pytest.warns(RuntimeWarning, match="running the torch path eagerly"):
         assert torch.equal(region(x, x), x * x)
     assert region.failed
+
+
+@needs_compiler
+def test_eager_under_a_dispatch_mode_so_flop_counters_see_the_ops():
+    """Lightning's ModelSummary counts FLOPs under a dispatch mode: the region must neither trace inside it
+    (the trace would leak symbolic sizes into the counter) nor hide its ops from it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    region = CompiledRegion(lambda a, b: a @ b)
+    a, b = torch.randn(4, 6), torch.randn(6, 3)
+    with FlopCounterMode(display=False) as counter:
+        out = region(a, b)
+    torch.testing.assert_close(out, a @ b)
+    assert counter.get_total_flops() == 2 * 4 * 6 * 3 and region.num_graphs == 0 and region.failed is None
+    region(a, b)
+    with FlopCounterMode(display=False) as counter:  # an already compiled graph is not used inside a mode either
+        region(a, b)
+    assert counter.get_total_flops() == 2 * 4 * 6 * 3 and region.num_graphs == 1
+
+
+@needs_compiler
+def test_meta_tensors_run_eagerly():
+    region = CompiledRegion(_math)
+    a = torch.empty(3, 5, device="meta")
+    out, extra = region(a, a, 1.0, -1)
+    assert out.device.type == "meta" and out.shape == (3, 5) and region.num_graphs == 0 and region.failed is None

@@ -154,7 +154,8 @@ class MGRChain(nn.Module):
             (``num_gated`` = L of the depth-aware init).
         streams: n >= 2.
         gating: ``"competitive"`` (softmax with a forget logit; gates sum to < 1) or ``"independent"``.
-        invert: fallback inversion in the backward: True, False or ``"auto"`` (fp32/fp64 eager only).
+        invert: fallback inversion in the backward: True, False or ``"auto"`` (fp32/fp64 streams, not under
+            ``torch.compile``).
         backend: ``"auto"``, ``"torch"`` (on CPU compiled when a C++ compiler is present, as ``"torch-compiled"``;
             else ``"torch-eager"``), ``"torch-eager"``, ``"torch-compiled"``, ``"triton"`` (alias ``"native"``) or
             ``"reference"``.

@@ -18,9 +18,10 @@ class MGRConfig:
 
     streams: n >= 2 parallel streams per token.
     gating: "competitive" (softmax with a forget logit) or "independent" (sigmoid per stream).
-    invert: fallback inversion in the backward (True, False, "auto": fp32/fp64 eager).
-    backend: "auto" (Triton on CUDA, else torch), "torch", "triton" ("native" is an alias), "torch-eager",
-        "torch-compiled" (an inductor region on CPU, opt-in) or "reference" (the oracle).
+    invert: fallback inversion in the backward (True, False, "auto": fp32/fp64 streams, not under torch.compile).
+    backend: "auto" (Triton on CUDA, else torch), "torch" (on CPU one compiled region per direction when a C++
+        compiler is present), "torch-eager", "torch-compiled", "triton" ("native" is an alias) or "reference"
+        (the oracle).
     b_base, l_base, beta_init_max: depth-aware gate-bias init.
     invert_top_p, invert_threshold, invert_max_gain: rows the inversion saves exactly.
     eps: RMSNorm epsilon.
