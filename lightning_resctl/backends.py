@@ -161,6 +161,11 @@ _SIZE_REF = re.compile(r"L\['t(\d+)'\]\.size\(\)\[(\d+)\]")
 _COMPILED_DEVICES = ("cpu", "cuda")
 
 
+def _ambient() -> tuple:
+    """Global state a trace bakes into its graph: autocast on / off and its dtype, per device type."""
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _COMPILED_DEVICES)
+
+
 def _plain_call(tensors: list) -> bool:
     """Whether compiled code may stand in for the eager math here: plain tensors on CPU / CUDA, no autograd to
     record, and no dispatch or function mode active (e.g. Lightning's FLOP counter, a fake-tensor mode)."""
@@ -177,7 +182,8 @@ class CompiledRegion:
     dynamo.
 
     Calls are grouped by signature: the arguments' structure and non-tensor values (baked into the graph as
-    constants) and each tensor's dtype, device type and rank (strided views are passed as contiguous copies). The
+    constants), each tensor's dtype, device type and rank (strided views are passed as contiguous copies), and the
+    autocast state. The
     first call of a signature traces ``fn`` with symbolic sizes (``make_fx``) and compiles the graph
     (``compile_fx``); the trace's assumptions about sizes (:func:`_size_guard`) are checked on every call, so one
     compile serves every batch size and sequence length it holds for, and another size pattern compiles its own
@@ -210,7 +216,7 @@ class CompiledRegion:
         key = _flatten(args, tensors)
         if key is None or not _plain_call(tensors):
             return self.fn(*args)
-        graphs = self.entries.setdefault(key, [])
+        graphs = self.entries.setdefault((key, _ambient()), [])
         for entry in graphs:
             if entry[2](tensors):
                 return self._run(entry, args, tensors)

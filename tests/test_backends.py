@@ -158,3 +158,26 @@ def test_meta_tensors_run_eagerly():
     a = torch.empty(3, 5, device="meta")
     out, extra = region(a, a, 1.0, -1)
     assert out.device.type == "meta" and out.shape == (3, 5) and region.num_graphs == 0 and region.failed is None
+
+
+@needs_compiler
+def test_autocast_state_is_part_of_the_signature():
+    """A graph traced under autocast computes in low precision: it must not serve a call outside autocast."""
+    def fn(a, b):
+        return (a @ b).float().sum(-1)
+
+    region = CompiledRegion(fn)
+    a, b = torch.randn(4, 6), torch.randn(6, 3)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.testing.assert_close(region(a, b), fn(a, b))
+        torch.testing.assert_close(region(a, b), fn(a, b))  # (the bf16 graph is off by ~1e-2)
+    assert region.num_graphs == 2
+
+
+def test_eager_inside_functorch_transforms():
+    region = CompiledRegion(lambda a: a.sin() * 2)
+    x = torch.randn(5)
+    grad = torch.func.grad(lambda t: region(t).sum())(x)
+    torch.testing.assert_close(grad, 2 * x.cos())
+    assert region.num_graphs == 0
