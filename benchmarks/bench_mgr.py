@@ -92,6 +92,9 @@ def per_merge_times(args, n, c, device, dtype):
     rows["eager reference"] = (timer(ref_f, args.reps, device), timer(fb(ref_f), args.reps, device))
     rows["torch path"] = (timer(lambda: fused_f("torch"), args.reps, device),
                           timer(fb(lambda: fused_f("torch")), args.reps, device))
+    if device.type == "cpu":  # "torch" is the compiled region on CPU when a C++ compiler is present
+        rows["torch path, eager"] = (timer(lambda: fused_f("torch-eager"), args.reps, device),
+                                     timer(fb(lambda: fused_f("torch-eager")), args.reps, device))
     if args.compile:
         compiled = torch.compile(mgr_step_reference, dynamic=False)
 

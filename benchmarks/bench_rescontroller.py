@@ -5,7 +5,9 @@ and bf16), forward and forward+backward, side by side in one process:
 
 * ``eager``    — the torch reference (plain ops, plain autograd);
 * ``compiled`` — ``torch.compile`` of the reference (inductor);
-* ``lean``     — the lean torch path (autograd.Function with the closed-form backward);
+* ``lean``     — the lean torch path (autograd.Function with the closed-form backward), eager ops;
+* ``region``   — the same Function with its math as compiled regions (``backend="torch"`` on CPU with a C++
+  compiler: :class:`lightning_resctl.backends.CompiledRegion`);
 * ``triton``   — the fused Triton kernels (GPU only).
 
 Each time is printed with its ratio to eager (< 1 = faster). On GPU the achieved memory
@@ -33,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_resctl.backends import cpu_compile_available
 from lightning_resctl.memory import saved_tensor_bytes
 from lightning_resctl.rescontroller import _ResControllerFunction, rescontroller, rescontroller_reference
 
@@ -94,6 +97,8 @@ def _paths(device):
         "compiled": torch.compile(rescontroller_reference, dynamic=False),
         "lean": lambda r, u: _ResControllerFunction.apply(r, u, *OPTS, -1),
     }
+    if device.type == "cpu" and cpu_compile_available():
+        paths["region"] = lambda r, u: _ResControllerFunction.apply(r, u, *OPTS, -1, "compiled")
     if device.type == "cuda":
         paths["triton"] = lambda r, u: rescontroller(r, u, backend="triton")
     return paths
