@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ._triton import interpreter_mode, kernel_module, triton_available
 
 __all__ = ["BACKENDS", "ALIASES", "check_backend", "load_kernels", "triton_runs_on_device", "cpu_compile_available",
-           "torch_mode", "CompiledRegion", "COMPILE_ENV"]
+           "torch_mode", "CompiledRegion", "COMPILE_ENV", "refuse_second_derivative"]
 
 #: Backend names every merge rule accepts.
 BACKENDS = ("auto", "torch", "triton", "native", "torch-eager", "torch-compiled")
@@ -65,6 +65,15 @@ def triton_runs_on_device(device_type: str) -> bool:
     if not triton_available():
         return False
     return device_type == "cuda" or (device_type == "cpu" and interpreter_mode())
+
+
+def refuse_second_derivative(what: str, oracle: str) -> None:
+    """Called first in the backward of a closed-form ``autograd.Function``: a backward with ``create_graph=True``
+    (grad mode on) would differentiate math that is not differentiable again, so it raises, naming ``oracle``."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{what}: its closed-form backward is not differentiable, so a second derivative (a backward with "
+            f"create_graph=True) is not available; {oracle} (plain autograd) has one")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,12 +116,11 @@ def _flatten(args, tensors: list) -> Optional[tuple]:
     None when a value cannot be part of a compiled signature (a type other than tensors, tuples, lists and
     Python scalars / strings / None).
 
-    Tensors by (dtype, device type, rank), passed on as contiguous tensors (a strided view is copied: the compiled
-    code reads contiguous rows); other values as they are (they are baked into the graph)."""
+    Tensors by (dtype, device type, rank); other values as they are (they are baked into the graph)."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            tensors.append(a if a.is_contiguous() else a.contiguous())
+            tensors.append(a)
             out.append((a.dtype, a.device.type, a.dim()))
         elif isinstance(a, (tuple, list)):
             inner = _flatten(a, tensors)
@@ -183,9 +191,8 @@ class CompiledRegion:
 
     Calls are grouped by signature: the arguments' structure and non-tensor values (baked into the graph as
     constants), each tensor's dtype, device type and rank (strided views are passed as contiguous copies), and the
-    autocast state. The
-    first call of a signature traces ``fn`` with symbolic sizes (``make_fx``) and compiles the graph
-    (``compile_fx``); the trace's assumptions about sizes (:func:`_size_guard`) are checked on every call, so one
+    autocast state. The first call of a signature traces ``fn`` with symbolic sizes (``make_fx``) and compiles the
+    graph (``compile_fx``); the trace's assumptions about sizes (:func:`_size_guard`) are checked on every call, so one
     compile serves every batch size and sequence length it holds for, and another size pattern compiles its own
     graph. The check is a few integer comparisons (dynamo's per-call guard evaluation costs tens of microseconds,
     which a training step pays per merge).
@@ -216,6 +223,7 @@ class CompiledRegion:
         key = _flatten(args, tensors)
         if key is None or not _plain_call(tensors):
             return self.fn(*args)
+        tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # the compiled code reads rows
         graphs = self.entries.setdefault((key, _ambient()), [])
         for entry in graphs:
             if entry[2](tensors):

@@ -41,8 +41,8 @@ import torch
 from torch import Tensor, nn
 
 from ._triton import triton_available
-from .backends import (BACKENDS, CompiledRegion, check_backend, cpu_compile_available, load_kernels, torch_mode,
-                       triton_runs_on_device)
+from .backends import (BACKENDS, CompiledRegion, check_backend, cpu_compile_available, load_kernels,
+                       refuse_second_derivative, torch_mode, triton_runs_on_device)
 
 __all__ = [
     "ControllerScales",
@@ -357,10 +357,7 @@ class _ResControllerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "rescontroller (torch path): its closed-form backward is not differentiable, so a second derivative "
-                "(a backward with create_graph=True) is not available; rescontroller_reference (plain autograd) has one")
+        refuse_second_derivative("rescontroller (torch path)", "rescontroller_reference")
         residual, update, stats = ctx.saved_tensors
         ur, sr, ku, ks, eps, dim, mode = ctx.opts
         _, bwd = _math_fns(mode)

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..backends import CompiledRegion, cpu_compile_available, load_kernels
+from ..backends import CompiledRegion, cpu_compile_available, load_kernels, refuse_second_derivative
 from .inversion import output_streams, reconstruct_inputs
 from .reference import _compute_dtype
 
@@ -212,10 +212,7 @@ class _MGRStepFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_h):
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "MGR (fused step): its closed-form backward is not differentiable, so a second derivative (a backward "
-                "with create_graph=True) is not available; backend='reference' (plain autograd) has one")
+        refuse_second_derivative("MGR (fused step)", "backend='reference'")
         backend, eps, run, k, last = ctx.cfg
         lead, m, c = ctx.shapes
         if run is None:
