@@ -270,6 +270,23 @@ def test_checkpoint_of_other_options_is_refused_with_the_reason():
         b.load_state_dict(a.state_dict())
 
 
+@pytest.mark.parametrize("method", [m for m in ALL if "backend" in get_merge_rule(m).option_names()])
+def test_backend_is_recorded_but_does_not_block_a_load(method):
+    """The backend changes how the math runs, not what it computes: a checkpoint saved with one backend loads
+    into a twin patched with another; each record says which backend its model ran."""
+    from lightning_resctl.surgery.sites import decode_record
+
+    torch.manual_seed(0)
+    a = LoopNet()
+    patch_residuals(a, method=method, example_input=(_x(),), backend="torch-eager")
+    b = LoopNet()
+    patch_residuals(b, method=method, example_input=(_x(),), backend="reference")
+    b.load_state_dict(a.state_dict())
+    torch.testing.assert_close(b(_x(5)), a(_x(5)), rtol=1e-5, atol=1e-6)
+    records = [decode_record(v) for k, v in b.state_dict().items() if k.endswith("._extra_state")]
+    assert records and {r["options"]["backend"] for r in records} == {"reference"}
+
+
 # ---------------------------------------------------------------------------------------------- 10.5: reset_parameters
 @pytest.mark.parametrize("method", CHAIN)
 def test_reset_parameters_gives_exactly_the_init(method):
@@ -410,3 +427,4 @@ def test_a_bias_reused_by_every_layer_is_not_a_merge():
     skipped = [s for s in report.skipped if "scores + bias" in s.source_line]
     assert skipped and all("reused across layers" in s.reason or "independent" in s.reason for s in skipped)
     assert any("reused across layers" in s.reason for s in skipped)
+

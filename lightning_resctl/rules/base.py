@@ -80,6 +80,9 @@ class MergeRule:
     kind: ClassVar[str] = "merge"
     #: False when the rule cannot run inside activation checkpointing (a recomputed block would replay its merges).
     supports_checkpointing: ClassVar[bool] = True
+    #: Options that choose how the math runs, not what it computes: recorded with a checkpoint, but a checkpoint
+    #: loads whatever their value (a model trained with backend="triton" on a GPU resumes with "auto" on CPU).
+    execution_options: ClassVar[tuple] = ("backend",)
 
     def __init__(self, name: str, config: Any):
         self.name = name
@@ -93,6 +96,11 @@ class MergeRule:
     def options(self) -> dict:
         """The rule's options as a plain dict (what travels with checkpoints and reports)."""
         return dataclasses.asdict(self.config)
+
+    def math_options(self, options: Optional[dict] = None) -> dict:
+        """``options`` (default: this rule's) without the :attr:`execution_options`: what a checkpoint must match."""
+        options = self.options() if options is None else options
+        return {k: v for k, v in options.items() if k not in self.execution_options}
 
     def summary(self) -> str:
         """A short description of the configured rule for one-line messages, e.g. ``"n=4"``."""

@@ -197,8 +197,11 @@ class MergeSite(nn.Module):
         if not isinstance(state, dict) or "method" not in state:
             raise RuntimeError(f"state_dict entry for the merge site at {self.location} is not a lightning_resctl "
                                f"site record: {state!r}")
-        mine = (self.method, _plain(self.rule.options()))
-        theirs = (state.get("method"), state.get("options"))
+        theirs_options = state.get("options")
+        if isinstance(theirs_options, dict):  # the backend is recorded, but not compared (see execution_options)
+            theirs_options = self.rule.math_options(theirs_options)
+        mine = (self.method, _plain(self.rule.math_options()))
+        theirs = (state.get("method"), theirs_options)
         if mine != theirs:
             raise RuntimeError(
                 f"checkpoint was saved with method={theirs[0]!r} options={theirs[1]} at the merge {state.get('path')!r} "
