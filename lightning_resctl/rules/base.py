@@ -83,6 +83,9 @@ class MergeRule:
     #: Options that choose how the math runs, not what it computes: recorded with a checkpoint, but a checkpoint
     #: loads whatever their value (a model trained with backend="triton" on a GPU resumes with "auto" on CPU).
     execution_options: ClassVar[tuple] = ("backend",)
+    #: True when :meth:`merge` honours ``inplace`` itself (writes into the stream / update and returns it);
+    #: otherwise the merge site writes the rule's result into that tensor (see :class:`MergeSite`).
+    merges_in_place: ClassVar[bool] = False
 
     def __init__(self, name: str, config: Any):
         self.name = name
@@ -124,7 +127,8 @@ class MergeRule:
         return None
 
     def merge(self, module: Optional[nn.Module], stream: Tensor, update: Tensor, inplace: Optional[str]) -> Tensor:
-        """The merged stream. ``inplace``: None, ``"stream"`` (``stream += update``) or ``"update"``."""
+        """The merged stream. ``inplace``: None, ``"stream"`` (``stream += update``) or ``"update"``; only a rule
+        with :attr:`merges_in_place` acts on it (for the others the site writes the result into that tensor)."""
         raise NotImplementedError
 
     def merge_module(self, site: Any, position: int) -> Optional[nn.Module]:
