@@ -2,9 +2,11 @@
 
 Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (Lightning's ``precision="bf16-mixed"`` on CPU) the
 matmuls, ``bmm`` and ``vecdot`` inside a rule would run in bf16; the rules take their math out of autocast
-(:func:`lightning_resctl.math_context.autocast_off`), so with fp32 streams and updates the outputs and
-gradients under autocast are those of the fp32 run — per rule (every registered one, automatically) and per
-backend that runs on CPU. The model's branches keep autocast (the last test)."""
+(:mod:`lightning_resctl.math_context`), so with fp32 streams and updates the outputs and gradients under
+autocast (forward and backward inside it) are those of the fp32 run — per rule (every registered one,
+automatically) and per torch backend that runs on CPU (the Triton kernels compute in fp32 by construction; in
+the CPU interpreter they pass this check too, at ~20 s per rule, too slow for the suite). The model's branches
+keep autocast (the last test)."""
 from __future__ import annotations
 
 import pytest

@@ -6,45 +6,21 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from torch import nn
 
 from lightning_resctl import (PatchOnLoadMixin, ResidualControlCallback, get_patch_report, merge_sites,
                               patch_from_state_dict, patch_residuals)
-from models import NanoGPT
+from lit_models import LitToy, toy_loader as _loader
 
 # trained with the eager torch path (no compile time in the suite); the other backends are loaded into
 OPTIONS = {"rescontroller": {"backend": "torch-eager"}, "mgr": {"streams": 2, "backend": "torch-eager"}}
 
 
-class LitGPT(L.LightningModule):
+class LitGPT(LitToy):
     """A LightningModule that does not opt in."""
-
-    def __init__(self, n_layer: int = 2):
-        super().__init__()
-        self.save_hyperparameters()
-        torch.manual_seed(0)
-        self.model = NanoGPT(vocab_size=11, block_size=8, n_layer=n_layer, n_head=2, n_embd=16)
-        self.example_input_array = self.model.example_input_array
-
-    def forward(self, x):
-        return self.model(x)
-
-    def training_step(self, batch, i):
-        x, y = batch
-        return nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class OptInGPT(PatchOnLoadMixin, LitGPT):
     """The same module, opted in: one base class."""
-
-
-def _loader():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 11, (8, 8), generator=g)
-    return torch.utils.data.DataLoader(list(zip(x, x.roll(1, 1))), batch_size=4)
 
 
 def _trainer(tmp_path, steps, callbacks=()):

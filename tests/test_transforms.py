@@ -93,3 +93,19 @@ def test_reference_backend_supports_forward_ad_vmap_and_func_grad():
     torch.testing.assert_close(tangent, fd, rtol=1e-2, atol=1e-3)
     vm = torch.func.vmap(g)(torch.stack([s, 2 * s]), torch.stack([v, v]))
     torch.testing.assert_close(vm, torch.stack([g(s, v), g(2 * s, v)]))
+
+
+def test_mgr_reference_chain_runs_under_torch_func_from_its_first_merge():
+    """A whole reference chain (its first merge included) under torch.func.grad and vmap equals plain autograd."""
+    torch.manual_seed(0)
+    chain = MGRChain(C, 3, streams=2, backend="reference")
+    ws = [torch.randn(C, C) / C ** 0.5 for _ in range(3)]
+    branches = [lambda h, w=w: torch.tanh(h @ w) for w in ws]
+    x = torch.randn(4, C)
+    grad = torch.func.grad(lambda x: chain(x, branches).square().sum())(x)
+    xr = x.clone().requires_grad_()
+    torch.testing.assert_close(grad, torch.autograd.grad(chain(xr, branches).square().sum(), xr)[0])
+    xs = torch.randn(2, 4, C)
+    torch.testing.assert_close(torch.func.vmap(lambda x: chain(x, branches))(xs),
+                               torch.stack([chain(a, branches) for a in xs]))
+

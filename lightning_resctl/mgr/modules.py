@@ -20,6 +20,11 @@ from .reference import (B_BASE, GATINGS, L_BASE, RMS_EPS, MGRInit, attn_pool_ref
 
 __all__ = ["MGRPool", "MGRMerge", "MGRRun", "MGRChain", "BACKENDS"]
 
+def _transformed() -> bool:
+    """A torch.func transform or a forward-mode AD level is active."""
+    return torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0
+
+
 def _check_real(name: str, value, positive: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
@@ -341,8 +346,8 @@ class MGRChain(nn.Module):
         wq = self.next_query(k)
         gq, gb, fb = merge.gate_params()
         backend = self.resolved_backend(streams)
-        if k == 0 and torch.is_grad_enabled() and merge.pool_query.requires_grad:
-            u = _TieZeroGrad.apply(u, merge.pool_query)
+        if k == 0 and torch.is_grad_enabled() and merge.pool_query.requires_grad and not _transformed():
+            u = _TieZeroGrad.apply(u, merge.pool_query)  # (for DDP; not under torch.func / forward-mode AD)
         if backend == "reference":
             return mgr_step_reference(streams, u, wq, gq, gb, fb, self.gating, self.eps)
         refuse_transforms(f"MGR (fused step, backend={backend!r})", "backend='reference'", streams, u, wq, gq, gb, fb)
