@@ -40,6 +40,8 @@ _EXPORTS = {
     "merge_sites": "surgery",
     "load_unpatched_state_dict": "surgery",
     "patch_from_state_dict": "surgery",
+    "patch_from_checkpoint": "surgery",
+    "PatchOnLoadMixin": "surgery",
     "MGRRun": "mgr",
     "merge_rules": "rules",
     "register_merge_rule": "rules",

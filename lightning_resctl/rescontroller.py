@@ -1,7 +1,7 @@
 """ResController: a parameter-free, energy-aware replacement for the residual merge ``r + u``.
 
 The rule (per row, i.e. along the feature dimension ``dim``; d = its size; all
-arithmetic in fp32, or fp64 when an input is fp64)::
+arithmetic in fp32, or fp64 when an input is fp64, also under ``torch.autocast``)::
 
     R      = sqrt(mean(r^2) + eps)                # residual RMS
     U      = sqrt(mean(u^2) + eps)                # update RMS
@@ -21,7 +21,7 @@ arithmetic in fp32, or fp64 when an input is fp64)::
 Three execution paths compute it:
 
 * :func:`rescontroller_reference` — the rule in plain torch ops (the oracle every other
-  path is tested against; plain autograd differentiates it);
+  path is tested against; plain autograd differentiates it; ``backend="reference"``);
 * the lean torch path — :class:`_ResControllerFunction`, an ``autograd.Function`` whose
   backward is the closed-form derivative of the rule; it saves only ``r``, ``u`` and a few
   per-row scalars (plain autograd of the reference saves every intermediate);
@@ -29,7 +29,9 @@ Three execution paths compute it:
   registered as ``torch.library`` custom ops (opaque to ``torch.compile``).
 
 :func:`rescontroller` / :class:`ResController` validate the input and dispatch:
-``backend="auto"`` picks Triton for CUDA tensors when Triton works, else the torch path.
+``backend="auto"`` picks Triton for CUDA tensors when Triton works, else the torch path. The torch and Triton
+paths refuse double backward, forward-mode AD and the ``torch.func`` transforms (their backward is closed-form)
+with an error naming ``backend="reference"``, which supports them.
 """
 from __future__ import annotations
 
@@ -41,8 +43,9 @@ import torch
 from torch import Tensor, nn
 
 from ._triton import triton_available
-from .backends import (BACKENDS, CompiledRegion, check_backend, cpu_compile_available, load_kernels,
-                       refuse_second_derivative, torch_mode, triton_runs_on_device)
+from .backends import (BACKENDS as _SHARED_BACKENDS, CompiledRegion, check_backend, cpu_compile_available,
+                       load_kernels, refuse_second_derivative, torch_mode, triton_runs_on_device)
+from .math_context import autocast_off, refuse_transforms
 
 __all__ = [
     "ControllerScales",
@@ -53,7 +56,10 @@ __all__ = [
     "BACKENDS",
 ]
 
-# BACKENDS (shared with MGR, lightning_resctl.backends): "auto", "torch", "triton", "native" (alias of triton).
+#: The shared backend names (lightning_resctl.backends) plus "reference": plain autograd over
+#: :func:`rescontroller_reference` (double backward, forward-mode AD and the torch.func transforms work there).
+BACKENDS = _SHARED_BACKENDS + ("reference",)
+_ORACLE = "backend='reference' (rescontroller_reference)"
 
 _DEFAULTS = dict(update_ratio=0.18, stream_ratio=1.08, update_softness=8.0, stream_softness=8.0, eps=1e-12)
 
@@ -218,9 +224,10 @@ def rescontroller_reference(
     dim = _check_tensors(residual, update, dim)
     ur, sr, ku, ks, eps = _check_options(update_ratio, stream_ratio, update_softness, stream_softness, eps)
     cdt = _compute_dtype(residual, update)
-    r, u = residual.to(cdt), update.to(cdt)
-    s_u, s_s, _, _ = _reference_scales(r, u, ur, sr, ku, ks, eps, dim)
-    out = r + (s_u * s_s) * u
+    with autocast_off(residual.device.type):
+        r, u = residual.to(cdt), update.to(cdt)
+        s_u, s_s, _, _ = _reference_scales(r, u, ur, sr, ku, ks, eps, dim)
+        out = r + (s_u * s_s) * u
     return out.to(torch.promote_types(residual.dtype, update.dtype))
 
 
@@ -241,7 +248,7 @@ def rescontroller_scales(
     dim = _check_tensors(residual, update, dim)
     ur, sr, ku, ks, eps = _check_options(update_ratio, stream_ratio, update_softness, stream_softness, eps)
     cdt = _compute_dtype(residual, update)
-    with torch.no_grad():
+    with torch.no_grad(), autocast_off(residual.device.type):
         r, u = residual.detach().to(cdt), update.detach().to(cdt)
         s_u, s_s, p_u, p_s = _reference_scales(r, u, ur, sr, ku, ks, eps, dim)
         return ControllerScales(
@@ -349,7 +356,8 @@ class _ResControllerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, residual, update, ur, sr, ku, ks, eps, dim, mode="eager"):
         fwd, _ = _math_fns(mode)
-        out, stats = fwd(residual, update, ur, sr, ku, ks, eps, dim)
+        with autocast_off(residual.device.type):
+            out, stats = fwd(residual, update, ur, sr, ku, ks, eps, dim)
         if any(ctx.needs_input_grad[:2]):
             ctx.save_for_backward(residual, update, stats)
             ctx.opts = (ur, sr, ku, ks, eps, dim, mode)
@@ -357,11 +365,12 @@ class _ResControllerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        refuse_second_derivative("rescontroller (torch path)", "rescontroller_reference")
+        refuse_second_derivative("rescontroller (torch path)", _ORACLE)
         residual, update, stats = ctx.saved_tensors
         ur, sr, ku, ks, eps, dim, mode = ctx.opts
         _, bwd = _math_fns(mode)
-        grad_r, grad_u = bwd(grad_out, residual, update, stats, ur, sr, ku, ks, eps, dim)
+        with autocast_off(residual.device.type):
+            grad_r, grad_u = bwd(grad_out, residual, update, stats, ur, sr, ku, ks, eps, dim)
         return (grad_r if ctx.needs_input_grad[0] else None, grad_u if ctx.needs_input_grad[1] else None,
                 None, None, None, None, None, None, None)
 
@@ -387,6 +396,7 @@ def _compiled_math():
 
 
 def _rescontroller_torch(residual, update, ur, sr, ku, ks, eps, dim, backend="torch"):
+    refuse_transforms("rescontroller (torch path)", _ORACLE, residual, update)
     mode = torch_mode(backend, residual)
     return _ResControllerFunction.apply(residual, update, ur, sr, ku, ks, eps, dim, mode)
 
@@ -403,15 +413,17 @@ def _load_kernels() -> bool:
 
 def _rescontroller_triton(residual, update, ur, sr, ku, ks, eps, dim):
     """Triton path: feature dim last, contiguous rows, the fused op, the caller's shape back."""
+    refuse_transforms("rescontroller (Triton op)", _ORACLE, residual, update)
     _load_kernels()
     last = dim == residual.dim() - 1
     r = residual if last else residual.movedim(dim, -1)
     u = update if last else update.movedim(dim, -1)
     shape = r.shape
     n_cols = shape[-1]
-    out = torch.ops.lightning_resctl.rescontroller_fwd(
-        r.contiguous().view(-1, n_cols), u.contiguous().view(-1, n_cols), ur, sr, ku, ks, eps
-    ).view(shape)
+    with autocast_off(r.device.type):
+        out = torch.ops.lightning_resctl.rescontroller_fwd(
+            r.contiguous().view(-1, n_cols), u.contiguous().view(-1, n_cols), ur, sr, ku, ks, eps
+        ).view(shape)
     return out if last else out.movedim(-1, dim)
 
 
@@ -450,16 +462,22 @@ def rescontroller(
 
     ``dim`` is the feature dim (-1 for sequence models, 1 for channels-first conv nets).
     ``backend``: "auto" (Triton for CUDA tensors when Triton works, else torch), "triton"
-    (alias "native"), or "torch" (the lean autograd.Function; on CPU its math runs as one compiled
+    (alias "native"), "torch" (the lean autograd.Function; on CPU its math runs as one compiled
     region per direction when a C++ compiler is present — "torch-eager" / "torch-compiled" force
-    either, see :mod:`lightning_resctl.backends`). Output dtype: the promoted input dtype; math in
-    fp32 (fp64 for fp64 inputs).
+    either, see :mod:`lightning_resctl.backends`), or "reference" (:func:`rescontroller_reference`
+    under plain autograd: slower and saves every intermediate, but double backward, forward-mode AD,
+    ``vmap`` and ``torch.func.grad`` work through it; the other backends refuse those with a
+    RuntimeError). Output dtype: the promoted input dtype; math in fp32 (fp64 for fp64 inputs), also
+    under ``torch.autocast``.
     """
     backend = _check_backend(backend)
     dim = _check_tensors(residual, update, dim)
     opts = _check_options(update_ratio, stream_ratio, update_softness, stream_softness, eps)
-    if _resolve(backend, residual) == "triton":
+    resolved = _resolve(backend, residual)
+    if resolved == "triton":
         return _rescontroller_triton(residual, update, *opts, dim)
+    if resolved == "reference":
+        return rescontroller_reference(residual, update, *opts, dim=dim)
     return _rescontroller_torch(residual, update, *opts, dim, backend)
 
 
@@ -491,12 +509,13 @@ class ResController(nn.Module):
         self.set_backend(backend)
 
     def set_backend(self, name: str) -> "ResController":
-        """Choose "auto", "triton" (alias "native") or "torch"; returns self."""
+        """Choose "auto", "triton" (alias "native"), "torch" ("torch-eager", "torch-compiled") or "reference"
+        (see :func:`rescontroller`); returns self."""
         self.backend = _check_backend(name)
         return self
 
     def resolved_backend(self, tensor: Tensor | None = None) -> str:
-        """The backend a call on ``tensor`` would use ("triton" or "torch")."""
+        """The backend a call on ``tensor`` would use ("triton", "reference" or a "torch" variant)."""
         return _resolve(self.backend, tensor)
 
     def options(self) -> dict:

@@ -513,7 +513,9 @@ def test_backend_names_shared_with_rescontroller():
     with pytest.raises(ValueError, match="backend must be one of"):
         MGRChain(8, 4, streams=2, backend="cuda")
     with pytest.raises(ValueError, match="backend must be one of"):
-        ResController(backend="reference")  # MGR's extra oracle backend only
+        ResController(backend="cuda")
+    # both rules add the plain-autograd oracle as backend "reference"
+    assert MGRChain(8, 4, streams=2, backend="reference").backend == ResController(backend="reference").backend
     with pytest.raises(TypeError, match="backend"):
         MGRChain(8, 4, streams=2, backend=None)
 

@@ -270,6 +270,23 @@ def test_checkpoint_of_other_options_is_refused_with_the_reason():
         b.load_state_dict(a.state_dict())
 
 
+@pytest.mark.parametrize("method", [m for m in ALL if "backend" in get_merge_rule(m).option_names()])
+def test_backend_is_recorded_but_does_not_block_a_load(method):
+    """The backend changes how the math runs, not what it computes: a checkpoint saved with one backend loads
+    into a twin patched with another; each record says which backend its model ran."""
+    from lightning_resctl.surgery.sites import decode_record
+
+    torch.manual_seed(0)
+    a = LoopNet()
+    patch_residuals(a, method=method, example_input=(_x(),), backend="torch-eager")
+    b = LoopNet()
+    patch_residuals(b, method=method, example_input=(_x(),), backend="reference")
+    b.load_state_dict(a.state_dict())
+    torch.testing.assert_close(b(_x(5)), a(_x(5)), rtol=1e-5, atol=1e-6)
+    records = [decode_record(v) for k, v in b.state_dict().items() if k.endswith("._extra_state")]
+    assert records and {r["options"]["backend"] for r in records} == {"reference"}
+
+
 # ---------------------------------------------------------------------------------------------- 10.5: reset_parameters
 @pytest.mark.parametrize("method", CHAIN)
 def test_reset_parameters_gives_exactly_the_init(method):
@@ -410,3 +427,83 @@ def test_a_bias_reused_by_every_layer_is_not_a_merge():
     skipped = [s for s in report.skipped if "scores + bias" in s.source_line]
     assert skipped and all("reused across layers" in s.reason or "independent" in s.reason for s in skipped)
     assert any("reused across layers" in s.reason for s in skipped)
+
+
+# ---------------------------------------------------------------------------------------------- in-place merges
+class InPlaceUpdateNet(nn.Module):
+    """``u = blk(x); seen.append(u); u += x``: the merge writes into the update, which another name holds.
+    ``in_place=False``: the same network spelled out of place (``x = x + u; seen.append(x)``)."""
+
+    def __init__(self, in_place: bool = True):
+        super().__init__()
+        self.emb = nn.Linear(C, C)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.in_place = in_place
+
+    def forward(self, x):
+        x = self.emb(x)
+        seen = []
+        for blk in self.blocks:
+            u = blk(x)
+            if self.in_place:
+                seen.append(u)
+                u += x
+                x = u
+            else:
+                x = x + u
+                seen.append(x)
+        return x, torch.stack(seen)
+
+
+class InPlaceStreamNet(nn.Module):
+    """``first = x; x += blk(x)``: every merge writes into the stream, so ``first`` is the final stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(C, C)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        x = self.emb(x)
+        first = x
+        for blk in self.blocks:
+            x += blk(x)
+        return x, first
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_in_place_merge_into_the_update_keeps_its_aliases(method, monkeypatch):
+    """Other names bound to the tensor an in-place merge writes into see the merged value, as in the original
+    model; outputs and gradients equal the out-of-place spelling of the same network patched the same way."""
+    monkeypatch.setenv("LIGHTNING_RESCTL_COMPILE", "0")  # the eager torch path: no compile time in the suite
+    x = _x()
+    models = []
+    for in_place in (True, False):
+        torch.manual_seed(0)
+        model = InPlaceUpdateNet(in_place)
+        patch_residuals(model, method=method, example_input=(x,))
+        models.append(model)
+    assert [s.inplace for s in merge_sites(models[0])] == ["update"] * len(merge_sites(models[0]))
+    results = []
+    for model in models:
+        out, seen = model(x)
+        assert torch.equal(seen[-1], out)  # the last merge's result is where `seen` holds it
+        loss = out.square().sum() + (seen * torch.linspace(-1, 1, C)).sum()
+        results.append((out, seen, torch.autograd.grad(loss, list(model.parameters()))))
+    (out, seen, grads), (want_out, want_seen, want_grads) = results
+    torch.testing.assert_close(seen, want_seen, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_in_place_merge_into_the_stream_writes_into_its_storage(method, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_RESCTL_COMPILE", "0")
+    torch.manual_seed(0)
+    model = InPlaceStreamNet()
+    patch_residuals(model, method=method, example_input=(_x(),))
+    assert {s.inplace for s in merge_sites(model)} == {"stream"}
+    with torch.no_grad():  # (the branch's LayerNorm saves x: in place, the original only runs without grad)
+        out, first = model(_x(3))
+    assert torch.equal(first, out)

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import lightning as L
 import pytest
 import torch
-from torch import nn
 
 import lightning_resctl
 from lightning_resctl import (
@@ -21,7 +20,7 @@ from lightning_resctl import (
 from lightning_resctl.rules import ChainRule, MergeRule, get_merge_rule, make_rule
 from lightning_resctl.rules.base import _REGISTRY
 from lightning_resctl.surgery import merge_sites
-from models import NanoGPT
+from lit_models import LitToy, tiny_gpt, toy_loader as _loader
 
 
 @dataclass
@@ -50,9 +49,7 @@ def half():
     _REGISTRY.pop("toy-half", None)
 
 
-def _gpt():
-    torch.manual_seed(0)
-    return NanoGPT(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16)
+_gpt = tiny_gpt
 
 
 def test_builtin_names_and_variants():
@@ -118,35 +115,6 @@ def test_outside_rule_works_by_name_in_patch_residuals(half):
     assert torch.equal(model(x), ref)
     with pytest.raises(ValueError, match="scale must be > 0"):
         patch_residuals(_gpt(), method=half, scale=0.0)
-
-
-class LitToy(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.model = _gpt()
-        self.example_input_array = self.model.example_input_array
-
-    def forward(self, x):
-        return self.model(x)
-
-    def training_step(self, batch, i):
-        x, y = batch
-        return nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
-
-    def validation_step(self, batch, i):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
-        self.log("val_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def _loader():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 11, (8, 8), generator=g)
-    return torch.utils.data.DataLoader(list(zip(x, x.roll(1, 1))), batch_size=4)
 
 
 def test_outside_rule_works_in_the_callbacks(half, tmp_path):

@@ -23,6 +23,9 @@ The same chain is driven one merge at a time by :mod:`lightning_resctl.surgery` 
 Backends: ``"torch"`` (fused torch ops, closed-form backward), ``"triton"`` (one fused kernel per merge:
 gates + lerp + the next merge's pool, and a fused backward; ``torch.library`` ops), ``"reference"``
 (plain torch ops differentiated by autograd — the oracle), ``"auto"`` (triton on CUDA, torch otherwise).
+The torch and Triton paths have a closed-form backward: double backward, forward-mode AD and the ``torch.func``
+transforms (``vmap``, ``grad``, ...) raise a RuntimeError naming ``"reference"``, which supports them. All
+gate and pool math runs in fp32 also under ``torch.autocast`` (the branches keep autocast).
 
 Fallback inversion (``invert``): the backward recomputes each merge's input streams from its output,
 ``s_i = (s'_i - beta_i u) / (1 - beta_i)``, instead of saving them (merge l+1's backward hands its

@@ -12,12 +12,18 @@ from torch import Tensor, nn
 
 from .._triton import triton_available, triton_runs_on
 from ..backends import check_backend, torch_mode
+from ..math_context import autocast_off, refuse_transforms
 from .inversion import _InvertRun
 from .ops import _MGRStepFn, _TieZeroGrad, _kernels
 from .reference import (B_BASE, GATINGS, L_BASE, RMS_EPS, MGRInit, attn_pool_reference, mgr_bias_init,
                         mgr_gates_reference, mgr_step_reference)
 
 __all__ = ["MGRPool", "MGRMerge", "MGRRun", "MGRChain", "BACKENDS"]
+
+def _transformed() -> bool:
+    """A torch.func transform or a forward-mode AD level is active."""
+    return torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0
+
 
 def _check_real(name: str, value, positive: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
@@ -340,15 +346,17 @@ class MGRChain(nn.Module):
         wq = self.next_query(k)
         gq, gb, fb = merge.gate_params()
         backend = self.resolved_backend(streams)
-        if k == 0 and torch.is_grad_enabled() and merge.pool_query.requires_grad:
-            u = _TieZeroGrad.apply(u, merge.pool_query)
+        if k == 0 and torch.is_grad_enabled() and merge.pool_query.requires_grad and not _transformed():
+            u = _TieZeroGrad.apply(u, merge.pool_query)  # (for DDP; not under torch.func / forward-mode AD)
         if backend == "reference":
             return mgr_step_reference(streams, u, wq, gq, gb, fb, self.gating, self.eps)
+        refuse_transforms(f"MGR (fused step, backend={backend!r})", "backend='reference'", streams, u, wq, gq, gb, fb)
         run = self._current_run(streams)
         if run is not None:
             self._run_keep = None
         if run is None and backend == "triton":
-            out, h, _, _ = _kernels().mgr_step(streams, u, wq, gq, gb, fb, self.eps)
+            with autocast_off(streams.device.type):  # the fused op's own torch ops in fp32
+                out, h, _, _ = _kernels().mgr_step(streams, u, wq, gq, gb, fb, self.eps)
             return out, h
         # "torch" on CPU: one compiled region per direction when a C++ compiler is present (lightning_resctl.backends)
         mode = "triton" if backend == "triton" else torch_mode(backend, streams)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..backends import CompiledRegion, cpu_compile_available, load_kernels, refuse_second_derivative
+from ..math_context import autocast_off
 from .inversion import output_streams, reconstruct_inputs
 from .reference import _compute_dtype
 
@@ -187,8 +188,9 @@ class _MGRStepFn(torch.autograd.Function):
         m, c = streams.shape[-2], streams.shape[-1]
         s2 = streams.reshape(-1, m, c)
         u2 = u.reshape(-1, c)
-        out, h, beta, a, stats = _step_forward(backend, streams, u, next_query, gate_query, gate_bias, forget_bias,
-                                               eps)
+        with autocast_off(streams.device.type):
+            out, h, beta, a, stats = _step_forward(backend, streams, u, next_query, gate_query, gate_bias,
+                                                   forget_bias, eps)
         ctx.cfg = cfg
         ctx.shapes = (lead, m, c)
         stats = stats if stats is not None else (None, None, None, None)
@@ -234,8 +236,9 @@ class _MGRStepFn(torch.autograd.Function):
         if grad_h is not None:
             grad_h = grad_h.reshape(-1, c)
         stats = None if r2 is None else (r, pq, r2, p2)
-        ds, du, dq, db, df, dw = _step_backward(backend, s2, u2, beta, a, out2, stats, next_query, gate_query,
-                                                gate_bias, forget_bias, grad_out, grad_h, eps)
+        with autocast_off(s2.device.type):
+            ds, du, dq, db, df, dw = _step_backward(backend, s2, u2, beta, a, out2, stats, next_query, gate_query,
+                                                    gate_bias, forget_bias, grad_out, grad_h, eps)
         return ds.reshape(*lead, m, c), du.reshape(*lead, c), dw, dq, db, df, None
 
 

@@ -2,7 +2,8 @@
 tested against, and the depth-aware gate-bias initialisation.
 
 Formulas (per token; streams ``S`` have layout ``(..., n, C)``, the n streams of a token contiguous;
-``RMSNorm(x) = x / sqrt(mean(x^2) + 1e-6)`` over C, no parameters, fp32 — fp64 stays fp64)::
+``RMSNorm(x) = x / sqrt(mean(x^2) + 1e-6)`` over C, no parameters; all of it in fp32 — fp64 stays fp64 —
+also under ``torch.autocast``)::
 
     AttnPool     a_i = softmax_i( w . RMSNorm(s_i) / sqrt(C) ),     h = sum_i a_i s_i
     branch       u   = F(h)                                         (the user's sub-layer)
@@ -22,6 +23,8 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
+
+from ..math_context import fp32_matmul
 
 __all__ = ["RMS_EPS", "L_BASE", "B_BASE", "GATINGS", "MGRInit", "mgr_bias_init", "rms_norm",
            "attn_pool_reference", "mgr_gates_reference", "mgr_merge_reference", "mgr_step_reference"]
@@ -49,7 +52,7 @@ def attn_pool_reference(streams: Tensor, query: Tensor, eps: float = RMS_EPS) ->
     """
     cd = _compute_dtype(streams)
     c = streams.shape[-1]
-    a = torch.softmax(rms_norm(streams, eps) @ query.to(cd) / math.sqrt(c), dim=-1)
+    a = torch.softmax(fp32_matmul(rms_norm(streams, eps), query.to(cd)) / math.sqrt(c), dim=-1)
     h = (a.unsqueeze(-1) * streams.to(cd)).sum(-2)
     return h.to(streams.dtype), a
 
@@ -64,7 +67,7 @@ def mgr_gates_reference(streams: Tensor, gate_query: Tensor, gate_bias: Tensor, 
     """
     cd = _compute_dtype(streams)
     c = streams.shape[-1]
-    z = rms_norm(streams, eps) @ gate_query.to(cd) / math.sqrt(c) + gate_bias.to(cd)
+    z = fp32_matmul(rms_norm(streams, eps), gate_query.to(cd)) / math.sqrt(c) + gate_bias.to(cd)
     if gating == "independent":
         return torch.sigmoid(z), None
     f = forget_bias.to(cd).expand(z.shape[:-1]).unsqueeze(-1)

@@ -25,6 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from ..math_context import autocast_off
 from ..mgr import RMS_EPS, _compute_dtype as compute_dtype, rms_norm  # noqa: F401  (shared, re-exported)
 from .base import ChainRule, check_choice, check_finite, check_int
 
@@ -62,8 +63,9 @@ def frame_step_reference(streams: Tensor, u: Optional[Tensor], pre: Tensor, res:
     Returns ``(h (..., C), S' (..., n, C))``."""
     cd = pre.dtype
     s = streams.to(cd)
-    h = torch.einsum("...s,...sc->...c", pre, s)
-    out = torch.einsum("...ts,...sc->...tc", res, s)
+    with autocast_off(s.device.type):
+        h = torch.einsum("...s,...sc->...c", pre, s)
+        out = torch.einsum("...ts,...sc->...tc", res, s)
     if u is not None:
         out = out + post.unsqueeze(-1) * u.to(cd).unsqueeze(-2)
     return h, out

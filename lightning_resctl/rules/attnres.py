@@ -3,7 +3,7 @@ rules (docs/rules/attnres.md).
 
 The depth pool (per token; :func:`attnres_pool_reference` is the oracle)::
 
-    RMSNorm(v) = v / sqrt(mean(v^2) + eps)                  over C, no affine, fp32
+    RMSNorm(v) = v / sqrt(mean(v^2) + eps)                  over C, no affine; all in fp32, also under autocast
     z_i   = (q * g) . RMSNorm(V_i)                          no 1/sqrt(C), no temperature
     alpha = softmax_i(z);   h = sum_i alpha_i V_i           the raw sources are mixed
 
@@ -27,6 +27,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..math_context import fp32_matmul
 from ._common import check_bool, check_eps, compute_dtype, rms_norm
 from .base import ChainRule, check_int
 
@@ -42,7 +43,7 @@ def attnres_pool_reference(sources: Tensor, query: Tensor, gain: Optional[Tensor
     Returns ``(h (..., C) in the sources' dtype, alpha (..., m) fp32/fp64)``."""
     cd = compute_dtype(sources)
     w = query.to(cd) if gain is None else query.to(cd) * gain.to(cd)
-    alpha = torch.softmax(rms_norm(sources, eps) @ w, dim=-1)
+    alpha = torch.softmax(fp32_matmul(rms_norm(sources, eps), w), dim=-1)
     h = (alpha.unsqueeze(-1) * sources.to(cd)).sum(-2)
     return h.to(sources.dtype), alpha
 

@@ -80,6 +80,12 @@ class MergeRule:
     kind: ClassVar[str] = "merge"
     #: False when the rule cannot run inside activation checkpointing (a recomputed block would replay its merges).
     supports_checkpointing: ClassVar[bool] = True
+    #: Options that choose how the math runs, not what it computes: recorded with a checkpoint, but a checkpoint
+    #: loads whatever their value (a model trained with backend="triton" on a GPU resumes with "auto" on CPU).
+    execution_options: ClassVar[tuple] = ("backend",)
+    #: True when :meth:`merge` honours ``inplace`` itself (writes into the stream / update and returns it);
+    #: otherwise the merge site writes the rule's result into that tensor (see :class:`MergeSite`).
+    merges_in_place: ClassVar[bool] = False
 
     def __init__(self, name: str, config: Any):
         self.name = name
@@ -93,6 +99,11 @@ class MergeRule:
     def options(self) -> dict:
         """The rule's options as a plain dict (what travels with checkpoints and reports)."""
         return dataclasses.asdict(self.config)
+
+    def math_options(self, options: Optional[dict] = None) -> dict:
+        """``options`` (default: this rule's) without the :attr:`execution_options`: what a checkpoint must match."""
+        options = self.options() if options is None else options
+        return {k: v for k, v in options.items() if k not in self.execution_options}
 
     def summary(self) -> str:
         """A short description of the configured rule for one-line messages, e.g. ``"n=4"``."""
@@ -116,7 +127,8 @@ class MergeRule:
         return None
 
     def merge(self, module: Optional[nn.Module], stream: Tensor, update: Tensor, inplace: Optional[str]) -> Tensor:
-        """The merged stream. ``inplace``: None, ``"stream"`` (``stream += update``) or ``"update"``."""
+        """The merged stream. ``inplace``: None, ``"stream"`` (``stream += update``) or ``"update"``; only a rule
+        with :attr:`merges_in_place` acts on it (for the others the site writes the result into that tensor)."""
         raise NotImplementedError
 
     def merge_module(self, site: Any, position: int) -> Optional[nn.Module]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..math_context import fp32_matmul
 from ._common import FrameRule, check_bool, compute_dtype, gated_pre_post, rms_norm
 from .base import check_choice, check_int
 
@@ -47,7 +48,7 @@ def hc_coefficients_reference(streams: Tensor, static: Tensor, dyn=None, scale=N
     if dyn is not None:
         normed = rms_norm(streams, eps) * (1 + gain.to(cd))
         sigma = torch.cat([scale[0:1].to(cd).expand(n + 1), scale[1:2].to(cd)])
-        c = c + sigma * torch.tanh(normed @ dyn.to(cd))
+        c = c + sigma * torch.tanh(fp32_matmul(normed, dyn.to(cd)))
     return c[..., 0], c[..., 1:n + 1].transpose(-1, -2), c[..., n + 1]
 
 
@@ -79,7 +80,7 @@ def mhc_coefficients_reference(streams: Tensor, phi: Tensor, bias: Tensor, alpha
     cd = compute_dtype(streams)
     n = streams.shape[-2]
     xf = streams.to(cd).flatten(-2)
-    m = (xf @ phi.to(cd)) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    m = fp32_matmul(xf, phi.to(cd)) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     pre, post, logits = gated_pre_post(m, alpha, bias, n)
     logits = logits.unflatten(-1, (n, n))
     if variant == "dsv4":

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..math_context import fp32_matmul
 from ._common import FrameRule, compute_dtype, gated_pre_post
 from .base import check_choice
 from .hc import INITS, _pm_one
@@ -49,9 +50,9 @@ def mhc_lite_coefficients_reference(streams: Tensor, phi: Tensor, bias: Tensor, 
     n = streams.shape[-2]
     xf = streams.to(cd).flatten(-2)
     normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * (1 + gain.to(cd))
-    pre, post, logits = gated_pre_post(normed @ phi.to(cd), alpha, bias, n)
+    pre, post, logits = gated_pre_post(fp32_matmul(normed, phi.to(cd)), alpha, bias, n)
     w = torch.softmax(logits, dim=-1)
-    res = (w @ perms.to(cd).flatten(-2)).unflatten(-1, (n, n))
+    res = fp32_matmul(w, perms.to(cd).flatten(-2)).unflatten(-1, (n, n))
     return pre, res, post
 
 

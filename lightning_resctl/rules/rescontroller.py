@@ -20,7 +20,9 @@ class ResControllerConfig:
     update_softness / stream_softness: sharpness of the soft caps.
     eps: inside every root and denominator.
     backend: "auto" (Triton on CUDA, else torch), "torch" (on CPU one compiled region per direction when a
-        C++ compiler is present), "torch-eager", "torch-compiled", "triton" ("native" is an alias).
+        C++ compiler is present), "torch-eager", "torch-compiled", "triton" ("native" is an alias) or
+        "reference" (plain autograd over the oracle: double backward, forward-mode AD and torch.func work).
+        The backend changes how the math runs, not what it computes: a checkpoint loads whatever the backend.
     """
 
     update_ratio: float = 0.18

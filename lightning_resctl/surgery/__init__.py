@@ -18,23 +18,18 @@ Where to patch in Lightning: before ``configure_optimizers``, DDP/FSDP wrapping 
         def setup(self, trainer, pl_module, stage):
             patch_residuals(pl_module, method="mgr")
 
-Checkpoints: a patched model's ``state_dict`` loads into a freshly patched twin as usual. An unpatched
-checkpoint loads into a patched model with :func:`load_unpatched_state_dict` (MGR's new parameters keep
-their init; it returns their names, also listed in ``report.new_parameters``). ResController adds no
-parameters, so a plain ``load_state_dict`` works for it.
+Checkpoints (:mod:`.checkpoint`): a patched model's ``state_dict`` loads into a freshly patched twin as usual;
+:func:`patch_from_state_dict` patches a fresh model as the checkpoint's site records say, then loads it, and
+:class:`PatchOnLoadMixin` makes ``MyModule.load_from_checkpoint(path)`` do that. An unpatched checkpoint loads
+into a patched model with :func:`load_unpatched_state_dict` (the sites' records and MGR's new parameters are
+the only keys allowed to be missing; it returns their names).
 
 Limits: only additions that ran in the observed forward are patched (Python branches not taken are not
 seen); MGR refuses models with activation checkpointing enabled (a recomputed block would replay its
 merges); patch before wrapping (DDP/FSDP/``torch.compile``) and unpatch before ``fully_shard``.
 """
-from .patch import (
-    get_patch_report,
-    load_unpatched_state_dict,
-    merge_sites,
-    patch_from_state_dict,
-    patch_residuals,
-    unpatch_residuals,
-)
+from .checkpoint import PatchOnLoadMixin, load_unpatched_state_dict, patch_from_checkpoint, patch_from_state_dict
+from .patch import get_patch_report, merge_sites, patch_residuals, unpatch_residuals
 from .report import ChainInfo, PatchReport, SiteInfo, SkippedInfo
 from .sites import MergeSite
 
@@ -45,6 +40,8 @@ __all__ = [
     "merge_sites",
     "load_unpatched_state_dict",
     "patch_from_state_dict",
+    "patch_from_checkpoint",
+    "PatchOnLoadMixin",
     "MergeSite",
     "PatchReport",
     "SiteInfo",

@@ -22,8 +22,7 @@ from .rewrite import (
 )
 from .sites import ChainEnd, ChainRun, ChainStart, MergeSite
 
-__all__ = ["patch_residuals", "unpatch_residuals", "get_patch_report", "merge_sites", "load_unpatched_state_dict",
-           "patch_from_state_dict"]
+__all__ = ["patch_residuals", "unpatch_residuals", "get_patch_report", "merge_sites"]
 
 _STATE_ATTR = "_resctl_patch"
 _SITE_PREFIX = "_resctl_site"
@@ -177,51 +176,6 @@ def merge_sites(model: nn.Module) -> list:
     """The :class:`MergeSite` modules of ``model`` (found through ``model.modules()``), by chain then position."""
     sites = [m for m in model.modules() if isinstance(m, MergeSite)]
     return sorted(sites, key=lambda s: (s.chain, s.position))
-
-
-def load_unpatched_state_dict(model: nn.Module, state_dict: dict) -> list:
-    """Load a checkpoint of the *unpatched* model into the patched ``model``.
-
-    Every key of ``state_dict`` must match; the only keys allowed to be missing are the parameters the
-    patch added (``report.new_parameters``: MGR's queries and biases), which keep their init. Returns the
-    list of those new keys (the sites' ``_extra_state`` records included). Raises RuntimeError for any other
-    missing or unexpected key."""
-    report = get_patch_report(model)
-    if report is None:
-        raise RuntimeError("model is not patched: use model.load_state_dict")
-    result = model.load_state_dict(state_dict, strict=False)
-    new = set(report.new_parameters) | set(getattr(report, "new_keys", ()))
-    missing = [k for k in result.missing_keys if k not in new]
-    if missing or result.unexpected_keys:
-        raise RuntimeError(f"checkpoint does not match the unpatched model: missing keys {missing}, "
-                           f"unexpected keys {list(result.unexpected_keys)}")
-    return [k for k in result.missing_keys if k in new]
-
-
-def patch_from_state_dict(model: nn.Module, state_dict: dict, example_input: Any = None, **kwargs) -> PatchReport:
-    """Re-apply the patch a checkpoint was saved with, then load it: for a checkpoint of a patched model and
-    a fresh, unpatched ``model`` of the same config (e.g. ``MyModule(...)`` built by hand)::
-
-        model = MyModule(**hparams)
-        patch_from_state_dict(model, torch.load(path)["state_dict"])
-
-    The rule and its options are read from the sites' records in ``state_dict`` (see
-    :meth:`MergeSite.get_extra_state`); ``example_input`` and ``kwargs`` (``include``/``exclude``) are passed
-    to :func:`patch_residuals`. The load is strict. Raises ValueError when ``state_dict`` holds no record."""
-    from .sites import decode_record
-
-    records = [decode_record(v) for k, v in state_dict.items()
-               if k.endswith("._extra_state") and k.rsplit(".", 2)[-2].startswith(_SITE_PREFIX)]
-    if not records:
-        raise ValueError("state_dict holds no lightning_resctl site record (it is not from a patched model): use "
-                         "model.load_state_dict")
-    kinds = {(r["method"], repr(sorted(r["options"].items()))) for r in records}
-    if len(kinds) > 1:
-        raise ValueError(f"state_dict mixes several patches {sorted(kinds)}: patch the model by hand, then load")
-    method, options = records[0]["method"], dict(records[0]["options"])
-    report = patch_residuals(model, method=method, example_input=example_input, **kwargs, **options)
-    model.load_state_dict(state_dict)
-    return report
 
 
 # ---------------------------------------------------------------------------------------------- checks

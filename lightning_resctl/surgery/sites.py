@@ -118,6 +118,11 @@ class MergeSite(nn.Module):
       with the real tensors; ``site.current_position`` is the position of that run and ``streams`` the
       chain's stream tensor entering it (chain rules that have one), else ``None``.
     * ``skip_update``: ablation — the update is dropped (per-merge: return the stream).
+
+    In-place merges (``x += f(x)``, ``u += x``, ``add_``; ``inplace`` = the operand written) keep their
+    semantics for every rule: the rule computes the merge from a copy of that operand (it may keep or save its
+    inputs), and the result is written into the operand's storage, so other names bound to it see the merged
+    value, as in the original model (rules with ``merges_in_place``, e.g. ``add``, do it themselves).
     """
 
     def __init__(self, rule: Any, *, path: str = "", location: str = "", source_line: str = "",
@@ -197,8 +202,11 @@ class MergeSite(nn.Module):
         if not isinstance(state, dict) or "method" not in state:
             raise RuntimeError(f"state_dict entry for the merge site at {self.location} is not a lightning_resctl "
                                f"site record: {state!r}")
-        mine = (self.method, _plain(self.rule.options()))
-        theirs = (state.get("method"), state.get("options"))
+        theirs_options = state.get("options")
+        if isinstance(theirs_options, dict):  # the backend is recorded, but not compared (see execution_options)
+            theirs_options = self.rule.math_options(theirs_options)
+        mine = (self.method, _plain(self.rule.math_options()))
+        theirs = (state.get("method"), theirs_options)
         if mine != theirs:
             raise RuntimeError(
                 f"checkpoint was saved with method={theirs[0]!r} options={theirs[1]} at the merge {state.get('path')!r} "
@@ -207,7 +215,17 @@ class MergeSite(nn.Module):
 
     # ------------------------------------------------------------------ runtime
     def forward(self, stream: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-        """Merge ``update`` into ``stream``; the result has the stream's shape."""
+        """Merge ``update`` into ``stream``; the result has the stream's shape (and is the operand written in
+        place for an in-place merge)."""
+        if self.inplace is None or self.rule.merges_in_place:
+            return self._merge(stream, update)
+        if self.inplace == "stream":
+            target, stream = stream, stream.clone()
+        else:
+            target, update = update, update.clone()
+        return target.copy_(self._merge(stream, update))
+
+    def _merge(self, stream: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         if self.rule.kind == "chain":
             return self._forward_chain(stream, update)
         if self.observer is not None:

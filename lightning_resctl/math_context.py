@@ -1,0 +1,108 @@
+"""The context a merge rule's own math runs in, whatever the caller's context.
+
+* :func:`autocast_off` and :func:`fp32_matmul` — a rule's internal math (its row moments, gates, pools,
+  coefficients) runs in its documented compute dtype (fp32, fp64 for fp64 inputs) also under
+  ``torch.autocast`` (Lightning's ``precision="bf16-mixed"`` / ``"16-mixed"``), which would otherwise run its
+  matmuls, ``bmm`` and ``vecdot`` in bf16/fp16. The closed-form paths run forward and backward under
+  :func:`autocast_off`; the plain-autograd paths use :func:`fp32_matmul`, whose backward also stays out of
+  autocast when ``backward()`` is called inside an autocast region (Lightning's ``manual_backward``). Only the
+  merge is taken out of autocast: the model's branches keep it.
+* :func:`refuse_transforms` — the closed-form ``autograd.Function`` paths (ResController's and MGR's torch
+  path, the Triton ops) have a hand-written backward only; forward-mode AD (``torch.autograd.forward_ad``,
+  ``torch.func.jvp``) and the ``torch.func`` transforms (``vmap``, ``grad``, ``jacrev`` ...) are refused
+  with a message naming the backend that supports them (``backend="reference"``, plain autograd).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.autograd import forward_ad
+
+__all__ = ["autocast_off", "fp32_matmul", "refuse_transforms"]
+
+
+def autocast_off(device_type: str):
+    """``torch.autocast(device_type, enabled=False)`` when autocast is on for ``device_type``, else a null
+    context (nothing to undo; also for device types autocast does not know, e.g. ``"meta"``)."""
+    if _autocast_on(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _autocast_on(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+class _Matmul(torch.autograd.Function):
+    """``a @ b`` with autocast off in the forward and the backward (see :func:`fp32_matmul`)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a, b):
+        with autocast_off(a.device.type):
+            return a @ b
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        da = db = None
+        with autocast_off(grad.device.type):  # also traced into a compiled backward graph
+            if ctx.needs_input_grad[0]:
+                da = fp32_matmul(grad, b.mT) if b.dim() == 2 else grad.unsqueeze(-1) * b
+            if ctx.needs_input_grad[1]:
+                rows = a.reshape(-1, a.shape[-1]).mT
+                db = fp32_matmul(rows, grad.reshape(-1, b.shape[-1]) if b.dim() == 2 else grad.reshape(-1))
+        return da, db
+
+
+class _MatmulWithJvp(_Matmul):
+    """:class:`_Matmul` with forward-mode AD (eager only: dynamo does not trace a custom ``jvp``)."""
+
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        a, b = ctx.saved_tensors
+        out = None if ta is None else fp32_matmul(ta, b)
+        if tb is not None:
+            out = fp32_matmul(a, tb) if out is None else out + fp32_matmul(a, tb)
+        return out
+
+
+def fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for ``a (..., K)`` and ``b (K, N)`` or ``(K,)``, computed in the inputs' dtype whatever the
+    autocast state — in the forward, the backward (also a backward called inside an autocast region, a double
+    backward, and the backward graph ``torch.compile`` traces under the forward's autocast) and forward-mode AD
+    (eager); ``vmap`` works. Plain ``a @ b`` when autocast is off and no backward is recorded."""
+    if torch.compiler.is_compiling():
+        return _Matmul.apply(a, b)
+    records = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    if records or _autocast_on(a.device.type) or forward_ad._current_level >= 0 \
+            or torch._C._are_functorch_transforms_active():
+        return _MatmulWithJvp.apply(a, b)
+    return a @ b
+
+
+def _has_tangent(tensors) -> bool:
+    if forward_ad._current_level < 0:  # no dual level entered: no tensor has a tangent (one int compare)
+        return False
+    return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def refuse_transforms(what: str, oracle: str, *tensors) -> None:
+    """Raise a RuntimeError naming ``oracle`` when a ``torch.func`` transform (vmap, grad, jacrev, jvp ...) is
+    active or one of ``tensors`` carries a forward-mode tangent: ``what`` (a closed-form autograd.Function or a
+    custom op) supports neither. Called before the Function is applied; costs one C call otherwise."""
+    if torch._C._are_functorch_transforms_active():
+        kind = "torch.func transforms (vmap, grad, jacrev, jvp, ...)"
+    elif _has_tangent(tensors):
+        kind = "forward-mode AD (a dual tensor from torch.autograd.forward_ad)"
+    else:
+        return
+    raise RuntimeError(f"{what}: {kind} cannot run through its closed-form backward (an autograd.Function with a "
+                       f"hand-written backward only); {oracle} (plain autograd) supports them")
