@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import csv
 import logging
-import math
 
 import pytest
 import torch
@@ -16,8 +15,9 @@ from torch.utils.tensorboard import SummaryWriter
 from lightning_resctl import ResidualControlCallback, ResidualMonitor, ablate
 from lightning_resctl.surgery import get_patch_report, merge_sites, patch_residuals
 
-from models import BranchyNet, NanoGPT
+from models import NanoGPT
 from test_callbacks import CFG, LitGPT, _acc, _loader, _reference_stats, _scalars, _trainer
+from test_callbacks_ux import _Grab, _manual_increase
 
 EXAMPLE = torch.randint(0, CFG["vocab_size"], (2, CFG["block_size"]), generator=torch.Generator().manual_seed(0))
 
@@ -29,15 +29,6 @@ def _loss(model, batch):
 
 def _batches(n=16, batch=4, seed=123):
     return list(_loader(n, batch, seed))
-
-
-class _Grab(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def test_plain_loop_with_summarywriter_equals_independent_hooks(tmp_path):
@@ -221,24 +212,13 @@ def test_backward_outside_the_block_is_said(tmp_path):
 
 def test_ablate_equals_skipping_each_merge_by_hand(tmp_path):
     torch.manual_seed(0)
-    model = NanoGPT(**CFG)
-    patch_residuals(model, method="add", example_input=EXAMPLE)
+    module = LitGPT()
+    patch_residuals(module, method="add")
     batches = _batches(n=8)
-    model.train()
-    result = ablate(model, batches, _loss)
-    assert model.training  # mode restored
-
-    def mean_loss():
-        with torch.no_grad():
-            return sum(_loss(model, b).double().item() for b in batches) / len(batches)
-
-    model.eval()
-    base = mean_loss()
-    expected = []
-    for site in merge_sites(model):
-        site.skip_update = True
-        expected.append(mean_loss() - base)
-        site.skip_update = False
+    module.train()
+    result = ablate(module, batches, lambda m, b: m.loss(b))
+    assert module.training  # mode restored
+    base, expected = _manual_increase(module, batches)
     assert result.base_loss == pytest.approx(base, rel=1e-9)
     assert result.loss_increase == pytest.approx(expected, rel=1e-9, abs=1e-12)
     assert len(set(round(v, 6) for v in expected)) > 1
@@ -250,29 +230,6 @@ def test_ablate_equals_skipping_each_merge_by_hand(tmp_path):
     assert [sc[(f"resctl/ablation_loss_increase/{d:02d}", 7)] for d in range(4)] == pytest.approx(expected, rel=1e-6)
     assert sc[("resctl/ablation_base_loss", 7)] == pytest.approx(base, rel=1e-6)
     assert "resctl/ablation/loss_increase" in _acc(tmp_path / "tb").Tags()["images"]
-
-
-def test_ablate_skips_one_position_of_a_loop_merge():
-    """BranchyNet runs merges 0 and 4 through one expression in a ``for`` loop: each is skipped on its own."""
-    g = torch.Generator().manual_seed(3)
-    model = BranchyNet(dim=8, depth=6)
-    reference = copy.deepcopy(model)
-    batches = [(torch.randn(4, 5, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(2)]
-    patch_residuals(model, method="add", example_input=batches[0][0])
-    result = ablate(model, batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]))
-
-    def mean_loss():
-        with torch.no_grad():
-            return sum(F.cross_entropy(reference(x), y).double().item() for x, y in batches) / 2
-
-    reference.eval()
-    base = mean_loss()
-    expected = []
-    for layer in reference.layers:  # skipping merge d == layer d's output is zero (x + 0 = x)
-        h = layer.register_forward_hook(lambda m, a, o: torch.zeros_like(o))
-        expected.append(mean_loss() - base)
-        h.remove()
-    assert result.loss_increase == pytest.approx(expected, rel=1e-6, abs=1e-9)
 
 
 def test_arguments_and_destinations_are_checked():
