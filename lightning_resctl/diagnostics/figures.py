@@ -68,4 +68,4 @@ def ablation_figure(loss_increase: Sequence[float]) -> Any:
     from ..plots import curves_figure
 
     return curves_figure({"loss increase": (list(range(len(loss_increase))), list(loss_increase))},
-                         "depth (merge index)", "validation loss increase", "ablation: skip one merge's update")
+                         "depth (merge index)", "loss increase", "ablation: skip one merge's update")

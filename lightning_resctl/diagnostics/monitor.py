@@ -1,13 +1,12 @@
 """ResidualMonitor: per-depth residual diagnostics for any training loop (Trainer, Fabric, plain PyTorch)."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import re
 import warnings
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,6 +39,23 @@ def _positive_int(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+class _Step:
+    """The context of :meth:`ResidualMonitor.step` (a plain class: a few attribute look-ups per step)."""
+
+    __slots__ = ("monitor", "index", "on")
+
+    def __init__(self, monitor: "ResidualMonitor", index: int) -> None:
+        self.monitor, self.index, self.on = monitor, index, False
+
+    def __enter__(self) -> bool:
+        self.on = self.monitor.start(self.index)
+        return self.on
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.on:
+            self.monitor.stop()
 
 
 def _global_rank() -> int:
@@ -304,16 +320,10 @@ class ResidualMonitor:
         if record_param_grads:
             self.record_param_grads()
 
-    @contextlib.contextmanager
-    def step(self, step: int) -> Iterator[bool]:
-        """``with monitor.step(step): forward + backward`` — probes run inside on logging steps only; yields
-        whether this is one. The parameter gradients are read when the block ends."""
-        on = self.start(step)
-        try:
-            yield on
-        finally:
-            if on:
-                self.stop()
+    def step(self, step: int) -> "_Step":
+        """``with monitor.step(step): forward + backward`` — probes run inside on logging steps only; ``as``
+        gives whether this is one. The parameter gradients are read when the block ends."""
+        return _Step(self, step)
 
     def record_param_grads(self) -> None:
         """Read the gradients of each merge's branch parameters now (the latest read of a step counts)."""
