@@ -253,7 +253,7 @@ class ResidualAblationCallback(Callback):
         if not self.evaluate(trainer, pl_module):
             return
         self._result.log_to(trainer, step=trainer.fit_loop.epoch_loop._batches_that_stepped, prefix=self.prefix,
-                            figure=self.depth_images, dirpath=self.dirpath)
+                            figure=self.depth_images, dirpath=self.dirpath, owner=type(self).__name__)
 
     def state_dict(self) -> dict[str, Any]:
         return {"loss_increase": list(self.loss_increase), "base_loss": self.base_loss}

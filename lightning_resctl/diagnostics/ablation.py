@@ -30,17 +30,17 @@ class AblationResult:
         return out
 
     def log_to(self, *destinations: Any, step: int, prefix: str = "resctl", figure: bool = True,
-               dirpath: str | None = None) -> None:
+               dirpath: str | None = None, owner: str = "ablate") -> None:
         """Write :meth:`metrics` and (``figure``) the increase-vs-depth figure ``f"{prefix}/ablation/loss_increase"``
         to ``destinations`` (as :meth:`ResidualMonitor.log_to <lightning_resctl.ResidualMonitor.log_to>` takes
         them; PNG files in ``dirpath`` or, when no destination takes images, ``<log dir>/resctl_figures``).
-        Rank zero only."""
+        Rank zero only; ``owner`` names the caller in messages."""
         from .monitor import _global_rank
         from .sinks import sinks_for
 
         if _global_rank() != 0:
             return
-        sinks = sinks_for(destinations, dirpath, what="AblationResult.log_to")
+        sinks = sinks_for(destinations, dirpath, what=f"{owner}.log_to")
         values = self.metrics(prefix)
         for s in sinks:
             s.scalars(values, step)

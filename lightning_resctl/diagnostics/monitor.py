@@ -185,7 +185,6 @@ class ResidualMonitor:
         self._sites: list = []
         self._alerted: set[str] = set()
         self._prepared: set = set()      # sinks that got the layout and the about text
-        self._announced: set = set()     # PNG folders said once
         self._latest: Record | None = None
         self._unwritten: deque[Record] = deque(maxlen=_MAX_UNWRITTEN)
         self._dropped = 0
@@ -488,17 +487,6 @@ class ResidualMonitor:
         return dict(rec.scalars) if rec is not None and rec.step == self._current_step else {}
 
     # ------------------------------------------------------------------ output
-    def _sinks(self, destinations: tuple, what: str, dirpath: str | None = None) -> list[Sink]:
-        sinks = sinks_for(destinations, dirpath, what=f"{self.owner}.{what}")
-        for s in sinks:
-            if isinstance(s, PNGSink) and s.fallback_for and s.key not in self._announced:
-                self._announced.add(s.key)
-                from ..callbacks._common import rank_zero_line
-
-                rank_zero_line(f"{self.owner}: {', '.join(sorted(set(s.fallback_for)))} cannot show images; the "
-                               f"figures are written as PNG files to {s.target}")
-        return sinks
-
     def log_to(self, *destinations: Any) -> None:
         """Write the records not written yet (scalars, gate histograms; once, the custom-scalars layout and the
         ``about`` text) to ``destinations``: a Trainer, a Fabric, Lightning loggers (TensorBoard, W&B, MLflow,
@@ -509,7 +497,7 @@ class ResidualMonitor:
             self._finish()
         if not self._unwritten:
             return
-        sinks = self._sinks(destinations, "log_to", self.dirpath) if _global_rank() == 0 else []
+        sinks = sinks_for(destinations, self.dirpath, what=f"{self.owner}.log_to") if _global_rank() == 0 else []
         records = list(self._unwritten)
         self._unwritten.clear()
         dropped, self._dropped = self._dropped, 0
@@ -598,7 +586,7 @@ class ResidualMonitor:
             return []
         if step is None:
             step = self._latest.step if self._latest is not None else self.history[-1][0] if self.history else 0
-        sinks = [s for s in self._sinks(destinations, "log_figures", self.dirpath) if s.takes_images]
+        sinks = [s for s in sinks_for(destinations, self.dirpath, what=f"{self.owner}.log_figures") if s.takes_images]
         if not sinks:
             return []
         for s in sinks:  # a folder of figures says what its depths are

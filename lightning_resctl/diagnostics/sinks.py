@@ -227,11 +227,16 @@ def _collect(dest: Any, out: list[Sink], dirs: list[str], what: str) -> None:
         "a list of them, or None")
 
 
+#: PNG folders standing in for loggers without images that were announced already (once per process)
+_ANNOUNCED: set = set()
+
+
 def sinks_for(destinations: Sequence[Any], dirpath: str | os.PathLike | None = None, *,
               what: str = "log_to") -> list[Sink]:
     """The sinks of ``destinations``, plus a :class:`PNGSink`: in ``dirpath`` when given, else in
-    ``<log dir of the first destination that has one>/resctl_figures`` when no destination takes images.
-    ``what`` names the caller in the error for a destination of an unknown kind."""
+    ``<log dir of the first destination that has one>/resctl_figures`` when no destination takes images (said
+    once, on the ``lightning_resctl`` logger). ``what`` names the caller in messages and in the error for a
+    destination of an unknown kind."""
     sinks: list[Sink] = []
     dirs: list[str] = []
     _collect(list(destinations), sinks, dirs, what)
@@ -239,5 +244,12 @@ def sinks_for(destinations: Sequence[Any], dirpath: str | os.PathLike | None = N
         sinks.append(PNGSink(dirpath))
     elif sinks and not any(s.takes_images for s in sinks):
         base = dirs[0] if dirs else os.getcwd()
-        sinks.append(PNGSink(os.path.join(base, FIGURE_DIR_NAME), fallback_for=[s.name for s in sinks]))
+        png = PNGSink(os.path.join(base, FIGURE_DIR_NAME), fallback_for=[s.name for s in sinks])
+        sinks.append(png)
+        if png.key not in _ANNOUNCED:
+            _ANNOUNCED.add(png.key)
+            from ..callbacks._common import rank_zero_line
+
+            rank_zero_line(f"{what.split('.')[0]}: {', '.join(sorted(set(png.fallback_for)))} cannot show images; "
+                           f"the figures are written as PNG files to {png.target}")
     return sinks
