@@ -248,6 +248,10 @@ def test_arguments_and_destinations_are_checked():
         _loss(model, _batches()[0]).backward()
     with pytest.raises(TypeError, match="cannot write to a dict"):
         monitor.log_to({"not": "a logger"})
+    from lightning.fabric import Fabric
+
+    with pytest.warns(UserWarning, match="nothing to write to"):
+        monitor.log_to(Fabric(accelerator="cpu", devices=1))  # a Fabric without loggers: the record would be lost
     with pytest.raises(ValueError, match="batches is empty"):
         ablate(model, [], _loss)
     with pytest.raises(TypeError, match="scalar Tensor"):

@@ -190,6 +190,7 @@ class ResidualMonitor:
         self._dropped = 0
         self._current_step: int | None = None
         self._warned_backward = False
+        self._warned_nowhere = False
         self._reset_runtime()
         if model is not None:
             self.attach(model)
@@ -497,7 +498,7 @@ class ResidualMonitor:
             self._finish()
         if not self._unwritten:
             return
-        sinks = sinks_for(destinations, self.dirpath, what=f"{self.owner}.log_to") if _global_rank() == 0 else []
+        sinks = self._sinks(destinations, "log_to") if _global_rank() == 0 else []
         records = list(self._unwritten)
         self._unwritten.clear()
         dropped, self._dropped = self._dropped, 0
@@ -518,6 +519,16 @@ class ResidualMonitor:
                             for i in range(hist.shape[1]):
                                 sink.histogram(f"{self.prefix}/{fam}_s{i}/{D_.depth_tag(d, D)}", hist[d, i], edges,
                                                rec.step)
+
+    def _sinks(self, destinations: tuple, what: str) -> list[Sink]:
+        """The sinks of ``destinations``; a warning (once) when there are none: the records would be lost."""
+        sinks = sinks_for(destinations, self.dirpath, what=f"{self.owner}.{what}")
+        if not sinks and not self._warned_nowhere:
+            self._warned_nowhere = True
+            warnings.warn(f"{self.owner}.{what}: nothing to write to (destinations: "
+                          f"{[type(d).__name__ for d in destinations]}, e.g. a Fabric without loggers); pass a "
+                          "SummaryWriter or a Lightning logger, or dirpath= for the figures", stacklevel=3)
+        return sinks
 
     def _prepare(self, sink: Sink, record: Record) -> None:
         """The custom-scalars layout (one chart per summary scalar; one per family with its depths) and the
@@ -586,7 +597,7 @@ class ResidualMonitor:
             return []
         if step is None:
             step = self._latest.step if self._latest is not None else self.history[-1][0] if self.history else 0
-        sinks = [s for s in sinks_for(destinations, self.dirpath, what=f"{self.owner}.log_figures") if s.takes_images]
+        sinks = [s for s in self._sinks(destinations, "log_figures") if s.takes_images]
         if not sinks:
             return []
         for s in sinks:  # a folder of figures says what its depths are
