@@ -210,6 +210,20 @@ def test_backward_outside_the_block_is_said(tmp_path):
     assert not any(t.startswith("resctl/param_grad_rms/") for t in out)  # not read before the backward
 
 
+def test_close_records_the_last_step_first(tmp_path):
+    torch.manual_seed(0)
+    model = NanoGPT(**CFG)
+    monitor = ResidualMonitor(model, log_every_n_steps=1, example_input=EXAMPLE)
+    with monitor.step(0):
+        _loss(model, _batches()[0]).backward()
+    monitor.close()  # before any metrics() / log_to(): the step is recorded, not dropped
+    assert [s for s, _ in monitor.history] == [0] and not merge_sites(model)
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    monitor.log_to(writer)
+    writer.close()
+    assert ("resctl/stream_rms/00", 0) in _scalars(tmp_path / "tb")
+
+
 def test_ablate_equals_skipping_each_merge_by_hand(tmp_path):
     torch.manual_seed(0)
     module = LitGPT()

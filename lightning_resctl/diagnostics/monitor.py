@@ -251,7 +251,11 @@ class ResidualMonitor:
         self.depth_labels = D_.depth_labels(self._entries)
 
     def detach(self) -> None:
-        """Stop observing (observers and hooks removed); the patch stays (see :meth:`close`)."""
+        """Stop observing (observers and hooks removed); the patch stays (see :meth:`close`). Observations not
+        yet turned into a record are recorded first (collective under DDP, like :meth:`metrics`)."""
+        self.stop(record_param_grads=False)
+        if self._data_step is not None:
+            self._finish()
         self._set_observers(False)
         self._branch.remove_hooks()
         self._sites = []
