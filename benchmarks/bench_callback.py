@@ -1,23 +1,31 @@
-"""Step-time cost of ResidualControlCallback, measured side by side in one process.
+"""Step-time cost of the diagnostics (ResidualControlCallback / ResidualMonitor), side by side in one process.
 
-    python benchmarks/bench_callback.py [--method rescontroller] [--steps 100] [--every 50] [--reps 3]
+    python benchmarks/bench_callback.py [--loop trainer|plain] [--method rescontroller] [--steps 100] [--every 50]
 
-The same patched nanoGPT (patched by hand, so both variants run identical merges) trains with Lightning
-on CPU/GPU, once without and once with ``ResidualControlCallback(log_every_n_steps=--every)``, alternating
-``--reps`` times. A timing callback listed first measures each step from one ``on_train_batch_start`` to
-the next (so the callback's own hooks, metric reduction and logging are inside the step). Printed:
+The same patched nanoGPT (patched by hand, so both variants run identical merges) trains on CPU/GPU, once
+without and once with the diagnostics, alternating ``--reps`` times:
+
+* ``--loop trainer`` (default): a Lightning Trainer with / without ``ResidualControlCallback(log_every_n_steps=
+  --every)``; a timing callback listed first measures each step from one ``on_train_batch_start`` to the next
+  (so the callback's own hooks, metric reduction and logging are inside the step);
+* ``--loop plain``: a hand-written loop (forward, backward, AdamW step) with / without
+  ``with monitor.step(step): ...`` and ``monitor.log_to(writer)`` of a ``ResidualMonitor(log_every_n_steps=
+  --every)``, each step timed from its start to the next one's (a TensorBoard ``SummaryWriter`` in both).
+
+Printed:
 
 * non-logging steps: median step time with / without (goal: no cost — probes are off on these steps);
 * a logging step: median of the logging steps with the callback / median plain step without;
 * amortized at log_every_n_steps=--every: ((every - 1) x median plain step + median logging step) / every,
   with / without (goal <= 1.03), and the raw mean over all steps (sensitive to noise on a shared CPU);
-* the callback's own time, instrumented (its hooks, observer and gradient hooks wrapped with timers): per
-  non-logging step, per logging step, and the ratio it implies (steadier than whole-step timings when the
-  CPU is shared).
+* the diagnostics' own time, instrumented (the callback's hooks or the monitor's calls, the observer and the
+  gradient hooks wrapped with timers): per non-logging step, per logging step, and the ratio it implies
+  (steadier than whole-step timings when the CPU is shared).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -32,6 +40,7 @@ import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_resctl.callbacks import ResidualControlCallback  # noqa: E402
+from lightning_resctl.diagnostics import ResidualMonitor  # noqa: E402
 from lightning_resctl.surgery import patch_residuals  # noqa: E402
 from lightning_resctl.testing.models import NanoGPT  # noqa: E402
 
@@ -78,12 +87,12 @@ class StepTimer(L.Callback):
             self.times.append(time.perf_counter() - self._t)
 
 
-def _instrument(cb, timer) -> None:
-    """Time every piece of the callback's own code (hooks, the observer, gradient hooks) per step."""
-    timer.own = {}
+def _instrument(obj, names, timer) -> None:
+    """Time every listed method of ``obj`` (the diagnostics' own code) per step, into ``timer.own``."""
+    timer.own = getattr(timer, "own", {})
 
     def wrap(name):
-        fn = getattr(cb, name)
+        fn = getattr(obj, name)
 
         def timed(*a, **k):
             t0 = time.perf_counter()
@@ -93,24 +102,74 @@ def _instrument(cb, timer) -> None:
                 i = len(timer.times)  # index of the current step
                 timer.own[i] = timer.own.get(i, 0.0) + time.perf_counter() - t0
 
-        setattr(cb, name, timed)
+        setattr(obj, name, timed)
 
-    for name in ("on_train_batch_start", "on_train_batch_end", "on_before_optimizer_step", "_observe", "_grad_hook"):
+    for name in names:
         wrap(name)
 
 
-def run(args, with_callback: bool, model_state) -> list[float]:
+#: the monitor's code that runs inside a step (``start``/``stop`` are what ``with monitor.step()`` calls)
+MONITOR_CALLS = ("start", "stop", "log_to", "_observe", "_grad_hook")
+CALLBACK_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_optimizer_step")
+
+
+def _data(args) -> DataLoader:
+    tok = torch.randint(0, args.vocab, (args.batch * args.steps, args.seq + 1), generator=torch.Generator().manual_seed(1))
+    return DataLoader(TensorDataset(tok[:, :-1], tok[:, 1:]), batch_size=args.batch, shuffle=False)
+
+
+def run_plain(args, with_monitor: bool, model_state) -> list[float]:
+    """A hand-written loop; with the monitor: ``with monitor.step(i)`` around forward + backward, ``log_to``."""
+    from torch.utils.tensorboard import SummaryWriter
+
     cfg = dict(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.dim)
     torch.manual_seed(0)
     module = Lit(cfg, args.method)
     module.load_state_dict(model_state)
-    tok = torch.randint(0, args.vocab, (args.batch * args.steps, args.seq + 1), generator=torch.Generator().manual_seed(1))
-    loader = DataLoader(TensorDataset(tok[:, :-1], tok[:, 1:]), batch_size=args.batch, shuffle=False)
+    device = torch.device("cuda" if args.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+                          else "cpu")
+    model = module.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    writer = SummaryWriter(f"{args.logdir}/plain_{'with' if with_monitor else 'without'}")
+    timer = StepTimer()
+    monitor = ResidualMonitor(model, log_every_n_steps=args.every) if with_monitor else None
+    if monitor is not None:
+        _instrument(monitor, MONITOR_CALLS, timer)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for i, (x, y) in enumerate(_data(args)):
+        sync()
+        now = time.perf_counter()
+        if timer._t is not None:
+            timer.times.append(now - timer._t)
+        timer._t = now
+        x, y = x.to(device), y.to(device)
+        with monitor.step(i) if monitor is not None else contextlib.nullcontext():
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+        if monitor is not None:
+            monitor.log_to(writer)
+    sync()
+    timer.times.append(time.perf_counter() - timer._t)
+    writer.close()
+    run.own = getattr(timer, "own", None)
+    return timer.times
+
+
+def run(args, with_callback: bool, model_state) -> list[float]:
+    if args.loop == "plain":
+        return run_plain(args, with_callback, model_state)
+    cfg = dict(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.dim)
+    torch.manual_seed(0)
+    module = Lit(cfg, args.method)
+    module.load_state_dict(model_state)
+    loader = _data(args)
     timer = StepTimer()
     callbacks = [timer]
     if with_callback:
         cb = ResidualControlCallback(log_every_n_steps=args.every)
-        _instrument(cb, timer)
+        _instrument(cb, CALLBACK_HOOKS, timer)
+        _instrument(cb.monitor, ("_observe", "_grad_hook"), timer)
         callbacks.append(cb)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=1, max_steps=args.steps, log_every_n_steps=args.every,
@@ -124,6 +183,8 @@ def run(args, with_callback: bool, model_state) -> list[float]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--loop", default="trainer", choices=["trainer", "plain"],
+                   help="a Lightning Trainer with ResidualControlCallback, or a plain loop with ResidualMonitor")
     p.add_argument("--method", default="rescontroller", choices=["add", "rescontroller", "mgr"])
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--every", type=int, default=50)
@@ -163,7 +224,8 @@ def main(argv=None):
     w_plain, w_log, w_mean = split(with_)
     med = statistics.median
     dev = "cuda" if (args.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()) else "cpu"
-    print(f"bench_callback: nanoGPT {args.layers}x{args.dim}, seq {args.seq}, batch {args.batch}, "
+    what = "Trainer + ResidualControlCallback" if args.loop == "trainer" else "plain loop + ResidualMonitor"
+    print(f"bench_callback ({what}): nanoGPT {args.layers}x{args.dim}, seq {args.seq}, batch {args.batch}, "
           f"method={args.method}, {dev} ({args.threads} thread(s)), {args.steps} steps x {args.reps} reps, "
           f"log_every_n_steps={args.every}")
     print(f"  non-logging step  median: without {med(wo_plain) * 1e3:8.2f} ms   with {med(w_plain) * 1e3:8.2f} ms"
@@ -178,7 +240,7 @@ def main(argv=None):
     own_plain = [o.get(i, 0.0) for o in own for i in range(1, args.steps) if i not in log_idx]
     own_log = [o.get(i, 0.0) for o in own for i in log_idx]
     est = 1 + ((e - 1) * med(own_plain) + med(own_log)) / e / med(wo_plain)
-    print(f"  callback's own code (instrumented): {med(own_plain) * 1e6:7.1f} us per non-logging step, "
+    print(f"  diagnostics' own code (instrumented): {med(own_plain) * 1e6:7.1f} us per non-logging step, "
           f"{med(own_log) * 1e3:6.2f} ms per logging step -> estimated ratio at log_every_n_steps={e}: {est:.3f}")
     print(f"  all steps, measured mean: without {med(wo_mean) * 1e3:8.2f} ms   with {med(w_mean) * 1e3:8.2f} ms"
           f"   ratio {med(w_mean) / med(wo_mean):.3f}   (noisy on a shared CPU)")

@@ -9,7 +9,8 @@ Merge rules replace the plain residual addition ``out = stream + update``
 
 :func:`patch_residuals` rewrites the residual additions of any model into
 one of these merges (reversibly, with a report), and
-:class:`ResidualControlCallback` records what the merges do in TensorBoard.
+:class:`ResidualControlCallback` records what the merges do in TensorBoard (or any logger);
+:class:`ResidualMonitor` does the same in Fabric and plain PyTorch loops.
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ _EXPORTS = {
     "ResidualControlCallback": "callbacks",
     "ResidualAblationCallback": "callbacks",
     "patch_in_configure_model": "callbacks",
+    "ResidualMonitor": "diagnostics",
+    "ablate": "diagnostics",
 }
 
 __all__ = ["triton_available", "rescontroller", "__version__", *_EXPORTS]

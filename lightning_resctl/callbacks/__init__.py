@@ -1,7 +1,8 @@
 """Lightning callbacks recording what the residual merges do (see ``docs/diagnostics.md``).
 
-* :class:`ResidualControlCallback` — patch (optional) + per-depth diagnostics in TensorBoard.
-* :class:`ResidualAblationCallback` — validation-loss increase per skipped merge.
+* :class:`ResidualControlCallback` — patch (optional) + per-depth diagnostics in the Trainer's loggers (the Lightning
+  adapter of :class:`lightning_resctl.ResidualMonitor`).
+* :class:`ResidualAblationCallback` — validation-loss increase per skipped merge (:func:`lightning_resctl.ablate`).
 * :func:`patch_in_configure_model` — the one-liner for models built and sharded in ``configure_model``.
 """
 from .ablation import ResidualAblationCallback

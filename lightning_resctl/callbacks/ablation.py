@@ -12,7 +12,7 @@ from torch import nn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from . import _common as C
+from ..diagnostics.ablation import ablate
 from .patcher import ResidualPatcher, merge_options
 
 __all__ = ["ResidualAblationCallback"]
@@ -92,6 +92,7 @@ class ResidualAblationCallback(Callback):
         self.base_loss: float | None = None
         #: where the loss comes from: "loss_fn", "validation_step return", "logged '<name>'", "training_step"
         self.loss_source: str | None = None
+        self._result = None
 
     @property
     def method(self) -> str | None:
@@ -230,71 +231,29 @@ class ResidualAblationCallback(Callback):
             out.append(trainer.strategy.batch_to_device(batch, dataloader_idx=0))
         return out
 
-    def _mean_loss(self, trainer: Any, pl_module: nn.Module, batches: list) -> float:
-        total = torch.zeros((), dtype=torch.float64)
-        for i, batch in enumerate(batches):
-            total = total + self._batch_loss(trainer, pl_module, batch, i).cpu()
-        mean = total / max(len(batches), 1)
-        mean = trainer.strategy.reduce(mean.to(_device(pl_module)), reduce_op="mean")
-        return float(mean)
-
     def evaluate(self, trainer: Any, pl_module: nn.Module) -> list[float]:
-        """Run the ablation now; returns (and stores) ``loss_increase``."""
+        """Run the ablation now (:func:`~lightning_resctl.ablate` on the first ``max_batches`` validation
+        batches, losses averaged over ranks); returns (and stores) ``loss_increase``."""
         from lightning_resctl.surgery import merge_sites
 
-        sites = merge_sites(pl_module)
         batches = self._batches(trainer)
-        if not sites or not batches:
+        if not merge_sites(pl_module) or not batches:
             return []
-        was_training = pl_module.training
-        pl_module.eval()
-        try:
-            with torch.no_grad():
-                base = self._mean_loss(trainer, pl_module, batches)
-                inc = []
-                for site, pos in C.depth_entries(sites):
-                    if len(getattr(site, "positions", (pos,))) == 1:
-                        site.skip_update = True
-                    else:  # one expression, several merges per forward: skip only the call at `pos`
-                        counter = C.PositionCounter()
-
-                        def toggle(s, *_: Any, _pos: int = pos, _counter=counter) -> None:
-                            s.skip_update = _counter(s) == _pos
-
-                        site.observer = toggle
-                    try:
-                        inc.append(self._mean_loss(trainer, pl_module, batches) - base)
-                    finally:
-                        site.skip_update = False
-                        site.observer = None
-        finally:
-            pl_module.train(was_training)
-        self.base_loss = base
-        self.loss_increase = inc
-        return inc
+        result = ablate(pl_module, list(enumerate(batches)),
+                        lambda module, item: self._batch_loss(trainer, module, item[1], item[0]),
+                        reduce=lambda value: trainer.strategy.reduce(value, reduce_op="mean"))
+        self.base_loss = result.base_loss
+        self.loss_increase = result.loss_increase
+        self._result = result
+        return result.loss_increase
 
     def on_validation_epoch_end(self, trainer: Any, pl_module: nn.Module) -> None:
         if trainer.sanity_checking or (trainer.current_epoch + 1) % self.every_n_epochs != 0:
             return
-        inc = self.evaluate(trainer, pl_module)
-        if not inc or not trainer.is_global_zero:
+        if not self.evaluate(trainer, pl_module):
             return
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
-        D = len(inc)
-        tags = {f"{self.prefix}/ablation_loss_increase/{C.depth_tag(d, D)}": v for d, v in enumerate(inc)}
-        tags[f"{self.prefix}/ablation_base_loss"] = self.base_loss
-        C.log_scalars(trainer, tags, step)
-        if self.depth_images and (C.tensorboard_writers(trainer) or C.figure_dir(trainer, self.dirpath)):
-            import matplotlib.pyplot as plt
-
-            from ..plots import curves_figure
-
-            fig = curves_figure(
-                {"loss increase": (list(range(D)), inc)},
-                "depth (merge index)", "validation loss increase", "ablation: skip one merge's update",
-            )
-            C.emit_figure(trainer, self.prefix, "ablation/loss_increase", fig, step, self.dirpath)
-            plt.close(fig)
+        self._result.log_to(trainer, step=trainer.fit_loop.epoch_loop._batches_that_stepped, prefix=self.prefix,
+                            figure=self.depth_images, dirpath=self.dirpath, owner=type(self).__name__)
 
     def state_dict(self) -> dict[str, Any]:
         return {"loss_increase": list(self.loss_increase), "base_loss": self.base_loss}
@@ -303,8 +262,3 @@ class ResidualAblationCallback(Callback):
         self.loss_increase = list(state_dict.get("loss_increase", []))
         self.base_loss = state_dict.get("base_loss")
 
-
-def _device(module: nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.to_local().device if hasattr(p, "to_local") else p.device
-    return torch.device("cpu")
