@@ -4,10 +4,12 @@
 right); it logs ``val_loss`` and returns its loss. ``ToyData``: a fixed token corpus (a deterministic mix of
 repeating patterns, so the loss falls), a shuffled training loader (``shuffle=True``: the order follows the global
 seed) and a plain validation loader. ``KillOnce``: a callback that kills the process with SIGKILL at a given
-step of the first run that reaches it, once (a marker file remembers it), to test ``--resume``.
+step of a given run of the process, once (a marker file remembers it), to test ``--resume``. ``BatchLog``: appends
+every training batch's fingerprint to a file, one line per step (run index in the process, step, digest).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 from pathlib import Path
@@ -78,12 +80,35 @@ class ToyData(L.LightningDataModule):
 
 
 class KillOnce(Callback):
-    """SIGKILL this process when a run reaches ``step`` and ``marker`` does not exist yet (it is created first)."""
+    """SIGKILL this process when its ``run``-th fit reaches ``step`` and ``marker`` does not exist yet (it is
+    created first)."""
 
-    def __init__(self, step: int, marker: str):
-        self.step, self.marker = step, Path(marker)
+    fits = 0  # fits started in this process
+
+    def __init__(self, step: int, marker: str, run: int = 1):
+        self.step, self.marker, self.run = step, Path(marker), run
+
+    def on_fit_start(self, trainer, pl_module):
+        KillOnce.fits += 1
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step and not self.marker.exists():
+        if KillOnce.fits == self.run and trainer.global_step == self.step and not self.marker.exists():
             self.marker.write_text("killed")
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class BatchLog(Callback):
+    """Append ``fit index, step, digest of the batch`` to ``path`` at every training step."""
+
+    fits = 0
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+
+    def on_fit_start(self, trainer, pl_module):
+        BatchLog.fits += 1
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in batch)).hexdigest()[:12]
+        with self.path.open("a") as f:
+            f.write(f"{BatchLog.fits} {trainer.global_step} {digest}\n")

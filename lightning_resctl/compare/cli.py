@@ -15,7 +15,7 @@ import textwrap
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Union
 
 from jsonargparse import DefaultHelpFormatter
 from lightning import LightningModule
@@ -122,7 +122,8 @@ class CompareCLI(LightningCLI):
         hints = typing.get_type_hints(CompareOptions)
         defaults = CompareOptions()
         for field in CompareOptions.__dataclass_fields__.values():
-            kind = _methods if field.name == "methods" else hints[field.name]
+            # methods: a list, or a comma-separated string (split in compare_options)
+            kind = Optional[Union[list[str], str]] if field.name == "methods" else hints[field.name]
             default = getattr(defaults, field.name)
             flag = {"nargs": "?", "const": True} if kind is bool else {}  # `--resume` = `--resume true`
             parser.add_argument(f"--compare.{field.name}", f"--{field.name}", type=kind, default=default,

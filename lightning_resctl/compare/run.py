@@ -102,12 +102,16 @@ def train_run(method: str, seed: int, reference: L.LightningModule, datamodule: 
     trainer.fit(model, datamodule=datamodule, ckpt_path=str(ckpt) if resume else None)
     wall = time.perf_counter() - started
 
+    from ..surgery import get_patch_report
+
+    report = get_patch_report(model)  # None for plain (its observation patch is removed at teardown)
     profile = getattr(control, "depth_profile", None) or {}
     labels = list(getattr(control, "depth_labels", None) or [])
     loss_increase = getattr(ablation, "loss_increase", None) if ablation is not None else None
     return {
         "method": method, "seed": seed, "status": "done", "reason": None,
-        "options": opts.options.get(method, {}), "init_fingerprint": init_fingerprint,
+        "options": opts.options.get(method, {}), "patch_options": dict(getattr(report, "options", None) or {}),
+        "init_fingerprint": init_fingerprint,
         "init_difference": init_difference,
         "monitor": recorder.monitor, "mode": opts.mode,
         "final": recorder.final(), "curve": recorder.curve,
