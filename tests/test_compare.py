@@ -25,7 +25,7 @@ METHODS = ["plain", "mgr-competitive", "rescontroller"]
 TRAINER = {"max_steps": 12, "val_check_interval": 4, "check_val_every_n_epoch": None, "log_every_n_steps": 2,
            "accelerator": "cpu", "gradient_clip_val": 1.0}
 COMPARE = {"methods": METHODS, "seeds": 2, "cost_rounds": 3, "cost_warmup": 1, "threads": 1, "depth_images": False,
-           "progress_bar": False}
+           "progress_bar": False, "checkpoint_every_min": 0}
 
 
 def _yaml(path: Path, *, callbacks=(), **compare) -> Path:

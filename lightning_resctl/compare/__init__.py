@@ -14,9 +14,10 @@ byte-level GPT (:class:`~lightning_resctl.compare.gpt.CharGPT`) on the standard-
 (:class:`~lightning_resctl.compare.data.CharDataModule`) is compared.
 
 After ``import lightning_resctl`` the name ``lightning_resctl.compare`` is the *function* (as
-``lightning_resctl.rescontroller`` is); the submodules are imported as ``from lightning_resctl.compare import cli``
-or ``importlib.import_module("lightning_resctl.compare.cli")`` (``import lightning_resctl.compare.cli as cli``
-would look the submodule up on the function and fail).
+``lightning_resctl.rescontroller`` is); the submodules are imported as ``from lightning_resctl.compare import cli``,
+``from lightning_resctl.compare.gpt import CharGPT`` or ``importlib.import_module("lightning_resctl.compare.cli")``
+(``import lightning_resctl.compare.cli as cli`` would look the submodule up on the function and fail). This package
+module imports nothing heavy: ``import lightning_resctl`` stays cheap.
 
 Modules, one job each:
 
@@ -35,24 +36,6 @@ Modules, one job each:
 """
 from __future__ import annotations
 
-import importlib
-
 from .api import compare, summarize
 
-_LAZY = {
-    "CompareOptions": "options", "run_job": "job", "JobInputs": "job", "main": "cli", "summarize_main": "cli",
-    "SummaryTable": "summary", "write_summary": "summary", "CharGPT": "gpt", "CharDataModule": "data",
-    "available_methods": "methods", "DEFAULT_METHODS": "methods", "PRESETS": "methods",
-    "OutputExistsError": "records", "JobMismatchError": "records",
-}
-
-__all__ = ["compare", "summarize", *_LAZY]
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_resctl.compare' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__all__ = ["compare", "summarize"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import statistics
 import time
 import warnings
@@ -41,10 +42,10 @@ MAX_RELATIVE_IQR = 0.10
 
 
 def resolve_device(accelerator: Any) -> torch.device:
-    """The device a Trainer with ``accelerator`` trains on (its first one)."""
+    """The device a Trainer with ``accelerator`` trains this process's model on (a rank's own GPU: ``LOCAL_RANK``)."""
     acc = accelerator.lower() if isinstance(accelerator, str) else type(accelerator).__name__.lower()
     if acc in ("gpu", "cuda", "cudaaccelerator") or (acc == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if acc in ("mps", "mpsaccelerator") or (acc == "auto" and torch.backends.mps.is_available()):
         return torch.device("mps")
     return torch.device("cpu")

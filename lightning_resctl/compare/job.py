@@ -151,10 +151,6 @@ def _describe_trainer(kwargs: dict[str, Any]) -> str:
     return ", ".join(shown) or "Lightning's defaults"
 
 
-def _first_batch(loader) -> Any:
-    return next(iter(loader))
-
-
 class _Job:
     def __init__(self, inputs: JobInputs, opts: CompareOptions):
         self.inputs, self.opts = inputs, opts
@@ -192,7 +188,7 @@ class _Job:
             dm = self.datamodule()
             source = dm if dm is not None else self.reference(seed)[0]
             try:
-                batch = _first_batch(source.val_dataloader())
+                batch = next(iter(source.val_dataloader()))
             except Exception as err:  # noqa: BLE001 - say what the job needs
                 raise ValueError(f"the compare job needs validation data (it compares the monitored validation "
                                  f"metric): {type(source).__name__}.val_dataloader() failed: {err}") from err
@@ -251,21 +247,26 @@ class _Job:
         identity = {**self.inputs.identity, "compare": opts.identity()}
         if identity.get("model", "") is None:
             identity["model"] = module_identity(self.reference(self.seeds[0])[0])
-        self.folder.prepare(identity, opts.shard, overwrite=opts.overwrite, resume=opts.resume,
-                            write=_is_rank_zero())
+        rank_zero = _is_rank_zero()  # under a multi-process strategy every rank runs the job; rank zero writes
+        if rank_zero:
+            self.folder.prepare(identity, opts.shard, overwrite=opts.overwrite, resume=opts.resume)
         runs = planned_runs(self.methods, self.seeds, opts.shard_pair())
         todo = [(m, s) for m, s in runs if self.folder.read_record(m, s) is None]
         max_steps = int(self.trainer_kwargs.get("max_steps") or -1)
-        progress = JobProgress(len(todo), max(max_steps, 0), enabled=opts.progress_bar)
+        progress = JobProgress(len(todo), max(max_steps, 0), enabled=opts.progress_bar and rank_zero)
         progress.start()
-        say = progress.message
+
+        def say(text: str) -> None:
+            if rank_zero:
+                progress.message(text)
+
         reference, _ = self.reference(self.seeds[0] if not todo else todo[0][1])
         dm = self.datamodule()
         about = {"data": _describe_module(dm) if dm is not None else "the model's own dataloaders",
                  "model": f"{_describe_module(reference)}; {sum(p.numel() for p in reference.parameters()):,} "
                           "parameters",
                  "trainer": _describe_trainer(self.trainer_kwargs)}
-        if _is_rank_zero():
+        if rank_zero:
             manifest = self.folder.manifest()
             manifest["about"] = about
             (self.folder.path / "job.json").write_text(json.dumps(manifest, indent=1, default=str))
@@ -275,11 +276,11 @@ class _Job:
         say(f"[resctl] methods {', '.join(self.methods)}; seeds {self.seeds}; "
             + (f"shard {opts.shard}: " if opts.shard else "") + f"{len(runs)} runs"
             + (f", {len(runs) - len(todo)} finished already (resume)" if len(todo) < len(runs) else ""))
-        cost = self.cost(progress)
+        cost = self.cost(progress) if rank_zero else None
         with _warnings_once():
             for index, (method, seed) in enumerate(todo, 1):
                 record = self.one(index, method, seed, progress)
-                if _is_rank_zero():
+                if rank_zero:
                     self.folder.write_record(record)
                 if record["status"] == "done":
                     say(f"[resctl] run {index}/{len(todo)} done: {method}, seed {seed}: {record['monitor']} "
@@ -288,6 +289,8 @@ class _Job:
                 else:
                     say(f"[resctl] run {index}/{len(todo)}: method {method} {record['status']}: {record['reason']}")
         progress.close()
+        if not rank_zero:
+            return SummaryTable([], "", {}, self.folder.path)
         manifest = self.folder.manifest() or {"fingerprint": "", "identity": identity, "about": about}
         table = write_summary(manifest, self.folder.records(), cost if cost is not None else self.folder.cost(),
                               self.folder.path, total_wall_s=time.perf_counter() - started)

@@ -30,8 +30,9 @@ HELP = {
     "resume": "continue the job in out: finished runs are kept, a run in progress restarts from its last checkpoint",
     "shard": "I/N: run only the I-th of N deterministic subsets of the (method, seed) runs; merge the folders with "
              "`lightning-resctl summarize`",
-    "checkpoints": "save each run's last checkpoint at every validation (what resume restarts from; deleted when "
-                   "the run ends)",
+    "checkpoint_every_min": "save the run in progress (what resume restarts from) at a validation end when this many "
+                            "minutes passed since its last save (0: at every validation; null: never, a resumed run "
+                            "then starts over); deleted when the run ends",
     "cost_rounds": "timed rounds of the cost-vs-plain measurement (one training step per method per round; 0 skips it)",
     "cost_warmup": "untimed rounds before them (at least one per batch shape the timed rounds use)",
     "ablation": "run ResidualAblationCallback at the last validation (loss increase per skipped merge)",
@@ -71,7 +72,7 @@ class CompareOptions:
     overwrite: bool = False
     resume: bool = False
     shard: Optional[str] = None
-    checkpoints: bool = True
+    checkpoint_every_min: Optional[float] = 5.0
     cost_rounds: int = 10
     cost_warmup: int = 2
     ablation: bool = True
@@ -104,6 +105,9 @@ class CompareOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        every = self.checkpoint_every_min
+        if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or every < 0):
+            raise ValueError(f"checkpoint_every_min must be a number >= 0 or None, got {every!r}")
         if self.mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got {self.mode!r}")
         if self.monitor is not None and (not isinstance(self.monitor, str) or not self.monitor):
@@ -116,7 +120,7 @@ class CompareOptions:
     def identity(self) -> dict[str, Any]:
         """The options that define the job's results (a resumed job and every shard must agree on them): not where
         the results go, nor how this process runs."""
-        skip = {"out", "overwrite", "resume", "shard", "progress_bar", "threads", "checkpoints"}
+        skip = {"out", "overwrite", "resume", "shard", "progress_bar", "threads", "checkpoint_every_min"}
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
         out["methods"] = self.method_list()
         out.pop("preset")

@@ -174,8 +174,9 @@ class RunRecorder(Callback):
             return
         source = trainer.datamodule if trainer.datamodule is not None else pl_module
         original = getattr(source, "train_dataloader", None)
-        if original is None or "train_dataloader" in vars(source):
+        if original is None or getattr(original, "_resctl_replaying", False):
             return
+        before = vars(source).get("train_dataloader")  # an instance attribute (e.g. from_datasets) or None
 
         @functools.wraps(original)
         def train_dataloader():
@@ -184,13 +185,17 @@ class RunRecorder(Callback):
                 loader.__class__ = _replaying_class(type(loader), self)
             return loader
 
+        train_dataloader._resctl_replaying = True
         source.train_dataloader = train_dataloader
-        self._wrapped = (source, "train_dataloader")
+        self._wrapped = (source, before)
 
     def teardown(self, trainer, pl_module, stage):
         if self._wrapped is not None:
-            source, name = self._wrapped
-            vars(source).pop(name, None)
+            source, before = self._wrapped
+            if before is None:
+                vars(source).pop("train_dataloader", None)
+            else:
+                source.train_dataloader = before
             self._wrapped = None
 
     def _seed_epoch(self) -> int:

@@ -22,6 +22,24 @@ __all__ = ["train_run", "JOB_TRAINER_KEYS"]
 JOB_TRAINER_KEYS = ("logger", "enable_progress_bar", "default_root_dir")
 
 
+class RunCheckpoint(ModelCheckpoint):
+    """The run's latest state in one file (``path``), saved at a validation end when ``every_s`` seconds have passed
+    since the last save (0: at every validation end), overwriting the previous one. A validation end is where the
+    recorder's curve holds that validation, so a resumed fit continues with the next training step."""
+
+    def __init__(self, path, every_s: float):
+        super().__init__(dirpath=str(path.parent), filename=path.stem, save_top_k=1, monitor=None,
+                         save_on_train_epoch_end=False, enable_version_counter=False)
+        self.every_s = float(every_s)
+        self._last_save = time.monotonic()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if time.monotonic() - self._last_save < self.every_s:
+            return
+        super().on_validation_end(trainer, pl_module)
+        self._last_save = time.monotonic()
+
+
 def _count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -82,10 +100,8 @@ def train_run(method: str, seed: int, reference: L.LightningModule, datamodule: 
     user_callbacks = list(user_callbacks) if isinstance(user_callbacks, (list, tuple)) else [user_callbacks]
     callbacks = [recorder, *user_callbacks, control, *([ablation] if ablation else []), *extra_callbacks]
     ckpt = folder.checkpoint(method, seed)
-    if opts.checkpoints:
-        # the latest state only (top-1 without a monitor), overwritten at every validation end
-        callbacks.append(ModelCheckpoint(dirpath=str(ckpt.parent), filename=ckpt.stem, save_top_k=1, monitor=None,
-                                         save_on_train_epoch_end=False, enable_version_counter=False))
+    if opts.checkpoint_every_min is not None:
+        callbacks.append(RunCheckpoint(ckpt, 60.0 * opts.checkpoint_every_min))
         kwargs["enable_checkpointing"] = True
     user_loggers = kwargs.pop("logger", None)
     user_loggers = [] if user_loggers in (None, True, False) else (
