@@ -12,7 +12,7 @@ one step of every method (the order rotated each round) on the same batch.
 * **Ratio**: a method's cost is the median over rounds of ``its step time / plain's step time in the same
   round``; load that changes slower than one round cancels out.
 * **Spread**: the per-round ratios' interquartile range (and min-max). When the IQR exceeds
-  :data:`MAX_RELATIVE_IQR` of the median, the ratio is *unreliable* — the summary says so instead of printing a
+  :data:`MAX_RELATIVE_IQR` of the median, or fewer than 3 rounds were timed, the ratio is *unreliable* — the summary says so instead of printing a
   bare number (a busy machine, or steps too short for the clock).
 
 A step is the model's ``training_step`` (the loss it returns), ``backward``, the Trainer's gradient clipping and
@@ -175,6 +175,6 @@ def measure_cost(methods: Sequence[str], reference: torch.nn.Module, batches: Se
         result["ratio"][m] = median
         result["iqr"][m] = [q1, q3]
         result["range"][m] = [min(r), max(r)]
-        result["reliable"][m] = len(r) >= 3 and (q3 - q1) <= MAX_RELATIVE_IQR * median
+        result["reliable"][m] = m == PLAIN or (len(r) >= 3 and (q3 - q1) <= MAX_RELATIVE_IQR * median)
         result["step_s"][m] = statistics.median(times[m])
     return result

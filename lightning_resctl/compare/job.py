@@ -223,10 +223,17 @@ class _Job:
         progress.message(f"[resctl] cost vs plain: {len(batches)} timed rounds of one training step per method, "
                          "interleaved, after untimed warm-up rounds")
 
+        last = [time.perf_counter()]
+
         def on_round(i, n):
-            if progress.enabled and progress.tty:
+            if not progress.enabled:
+                return
+            if progress.tty:
                 progress.stream.write(f"\r[resctl] cost vs plain: round {i}/{n}")
                 progress.stream.flush()
+            elif time.perf_counter() - last[0] >= progress.interval_s:  # a log: a line every interval
+                last[0] = time.perf_counter()
+                progress.message(f"[resctl] cost vs plain: round {i}/{n}")
 
         result = measure_cost(self.methods, reference, batches, options=opts.options, warmup=opts.cost_warmup,
                               device=self.device, precision=self.trainer_kwargs.get("precision", "32-true"),

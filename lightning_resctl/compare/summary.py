@@ -266,8 +266,9 @@ def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]]
                 vs += f", 95% CI [{pair['ci'][0]:+.4f}, {pair['ci'][1]:+.4f}]"
         start = ("—" if m == PLAIN else f"{p['init_output_diff']:.1e} / {p['init_grad_diff']:.1e}"
                  + (" ⚠" if p["init_flagged"] else ""))
+        growth = p["stream_rms_last_over_first"]
         table.append(f"| {m} | {_fmt(p['final'])} | {vs} | {start} | {_cost_cell(cost, m)} | "
-                     f"{_fmt(p['final_train_loss'])} | {p['stream_rms_last_over_first']:.3g} | "
+                     f"{_fmt(p['final_train_loss'])} | {f'{growth:.3g}' if math.isfinite(growth) else 'n/a'} | "
                      f"{p['params_added']:,} | {p['sites']} |")
     table += [f"| {m} | {r['status']}: {r['reason']} | | | | | | | |" for m, r in not_run.items()]
     lines += table
