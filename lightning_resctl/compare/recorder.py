@@ -165,7 +165,7 @@ class RunRecorder(Callback):
         self._trainer = None
         self._resume: dict[str, Any] | None = None
         self._position: tuple[int, int] | None = None
-        self._wrapped: tuple[Any, str] | None = None
+        self._wrapped: tuple[Any, Any] | None = None  # (the data source, its own train_dataloader attribute)
 
     # ------------------------------------------------------------------ data order and resume
     def setup(self, trainer, pl_module, stage):
@@ -219,7 +219,7 @@ class RunRecorder(Callback):
         self._position = (self._resume["epoch"], self._resume["batches"])
 
     def on_train_epoch_start(self, trainer, pl_module):
-        if trainer.current_epoch > 0:  # epoch 0's iterator exists already (seeded in on_fit_start)
+        if trainer.current_epoch > 0:  # for iterables other than DataLoader (a DataLoader seeds its own iterator)
             seed_everything(epoch_seed(self.seed, trainer.current_epoch), workers=True, verbose=False)
 
     def state_dict(self) -> dict[str, Any]:
