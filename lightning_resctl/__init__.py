@@ -10,16 +10,18 @@ Merge rules replace the plain residual addition ``out = stream + update``
 :func:`patch_residuals` rewrites the residual additions of any model into
 one of these merges (reversibly, with a report), and
 :class:`ResidualControlCallback` records what the merges do in TensorBoard (or any logger);
-:class:`ResidualMonitor` does the same in Fabric and plain PyTorch loops.
+:class:`ResidualMonitor` does the same in Fabric and plain PyTorch loops. :func:`compare` answers "does it
+help my model?": a matched comparison of the methods on your LightningModule.
 """
 from __future__ import annotations
 
 import importlib
 
 from ._triton import triton_available
-# The function, not the submodule of the same name (importing the submodule would otherwise
-# bind the package attribute `rescontroller` to the module).
+# The functions, not the submodules of the same names (importing a submodule binds the package attribute to the
+# module; these imports rebind it). Submodules stay importable with `from lightning_resctl.compare import cli`.
 from .rescontroller import rescontroller
+from .compare import compare
 
 __version__ = "0.1.0"
 
@@ -56,7 +58,7 @@ _EXPORTS = {
     "ablate": "diagnostics",
 }
 
-__all__ = ["triton_available", "rescontroller", "__version__", *_EXPORTS]
+__all__ = ["triton_available", "rescontroller", "compare", "__version__", *_EXPORTS]
 
 
 def __getattr__(name: str):

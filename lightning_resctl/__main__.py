@@ -3,12 +3,15 @@
 usage: python -m lightning_resctl [-h] [--version] COMMAND [flags]
 
 commands:
-  compare    the main job: train the same char-level GPT with plain residuals and with each
-             merge rule (same seeds, data order, optimizer, steps), measure each rule's
-             training-step cost next to plain's, and write summary.md, PNG plots and
-             TensorBoard logs. `python -m lightning_resctl compare --help` lists its flags
-             and their defaults; `python -m lightning_resctl compare` runs the quick default
-             (about 10-15 minutes on 2 CPU cores).
+  compare    the main job: train your LightningModule (default: the built-in byte-level GPT) with plain
+             residuals and with each merge rule — same initial weights, data order, optimizer and Trainer
+             settings per seed — compare the monitored validation metric seed by seed, check each method's
+             start against plain, measure its training-step cost next to plain's, and write summary.md,
+             PNG plots and TensorBoard logs. Built on LightningCLI: --model, --data, --trainer.*,
+             --config my.yaml, --print_config. `python -m lightning_resctl compare --help` lists every
+             option; `python -m lightning_resctl compare` runs the quick default (about 10-15 minutes on
+             2 CPU cores).
+  summarize  merge the output folders of one compare job (e.g. its shards): summarize OUT [OUT ...]
 
 options:
   -h, --help  show this help and exit
@@ -19,7 +22,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-_COMMANDS = ("compare",)
+_COMMANDS = ("compare", "summarize")
 
 
 def _help() -> str:
@@ -42,9 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lightning-resctl: unknown command {command!r}; choose from {', '.join(_COMMANDS)} "
               "(python -m lightning_resctl --help)", file=sys.stderr)
         return 2
-    from .compare import main as compare_main
+    from .compare import cli
 
-    return compare_main(args)
+    return cli.main(args) if command == "compare" else cli.summarize_main(args)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,40 @@
-"""The command line: help, version, presets and registered method names, --overwrite, progress."""
+"""The command line: help, version, the LightningCLI configuration (model / data / trainer / compare), flags and their
+errors, existing results, summarize, the progress line, and ``lightning_resctl.compare`` as a function."""
 from __future__ import annotations
 
+import importlib
 import io
-import re
+import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
+import yaml
 
 import lightning_resctl
-from lightning_resctl import __main__ as cli
-from lightning_resctl import compare
-from lightning_resctl.compare import methods as methods_mod
-from lightning_resctl.compare.cli import build_parser, parse_config
+from lightning_resctl import __main__ as entry
+from lightning_resctl.compare import cli, job
 from lightning_resctl.compare.progress import JobProgress, format_duration
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+@pytest.fixture(autouse=True)
+def _toy_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+
+
+def _parse(*args: str) -> cli.CompareCLI:
+    return cli.CompareCLI(list(args))
 
 
 def test_bare_command_prints_help_and_starts_no_job(monkeypatch, capsys):
-    monkeypatch.setattr(compare, "run_comparison", lambda cfg: pytest.fail("a job was started"))
-    assert cli.main([]) == 0
+    monkeypatch.setattr(job, "run_job", lambda *a: pytest.fail("a job was started"))
+    assert entry.main([]) == 0
     out = capsys.readouterr().out
-    assert "usage: python -m lightning_resctl" in out and "compare" in out and "--help" in out
+    assert "usage: python -m lightning_resctl" in out and "compare" in out and "summarize" in out
 
 
 def test_bare_module_in_a_fresh_interpreter_prints_help():
@@ -31,102 +43,136 @@ def test_bare_module_in_a_fresh_interpreter_prints_help():
 
 
 def test_version(capsys):
-    assert cli.main(["--version"]) == 0
+    assert entry.main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"lightning_resctl {lightning_resctl.__version__}"
+    assert entry.main(["bogus"]) == 2
+
+
+def test_compare_is_the_function_and_the_submodules_still_import():
+    assert callable(lightning_resctl.compare) and lightning_resctl.compare.__name__ == "compare"
+    assert "compare" in lightning_resctl.__all__
+    from lightning_resctl.compare import summary
+
+    assert importlib.import_module("lightning_resctl.compare.job") is job and hasattr(summary, "write_summary")
+    assert lightning_resctl.compare is importlib.import_module("lightning_resctl.compare").compare
+
+
+def test_print_config_in_a_fresh_interpreter_shows_the_builtin_default_and_the_compare_section():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "lightning_resctl", "compare", "--print_config", "--methods",
+                           "plain,add", "--resume"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = yaml.safe_load(proc.stdout)
+    assert config["model"]["class_path"].endswith("CharGPT") and config["data"]["class_path"].endswith("CharDataModule")
+    assert config["model"]["init_args"]["n_layer"] == 16 and config["trainer"]["max_steps"] == 160
+    assert config["compare"]["methods"] in ("plain,add", ["plain", "add"]) and config["compare"]["resume"] is True
+    assert config["compare"]["seeds"] == 2 and "seed_everything" not in config
+
+
+def test_help_lists_every_compare_option_with_its_default_and_the_examples(capsys):
     with pytest.raises(SystemExit) as exc:
-        parse_config(["--version"])
+        _parse("--help")
     assert exc.value.code == 0
-    assert lightning_resctl.__version__ in capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())
+    from lightning_resctl.compare.options import HELP, CompareOptions
+
+    for name, default in vars(CompareOptions()).items():
+        assert f"--compare.{name}" in text and f"--{name}" in text, name
+        assert f"default: {'null' if default is None else default}" in text, (name, default)
+        assert " ".join(HELP[name].split())[:40] in text, name
+    assert "--model my_pkg.MyModule --data my_pkg.MyDataModule" in text and "lightning-resctl summarize" in text
 
 
-def test_help_shows_every_default():
-    parser = build_parser()
-    text = " ".join(parser.format_help().split())
-    for action in parser._actions:
-        if action.dest in ("help", "version"):
-            continue
-        default = action.default
-        if action.dest == "methods":
-            default = ",".join(compare.DEFAULT_METHODS)
-        elif isinstance(default, (list, tuple)):
-            default = ",".join(map(str, default))
-        shown = " ".join(f"(default: {default})".split())
-        # argparse may wrap a long default across lines: compare without whitespace
-        assert shown.replace(" ", "") in text.replace(" ", ""), (action.dest, shown)
+def test_a_user_model_from_yaml_keeps_its_own_init_arguments(tmp_path):
+    """Choosing a model class must not hand it the built-in model's init arguments that it happens to accept too
+    (jsonargparse keeps those when a default class_path is replaced)."""
+    config = tmp_path / "my.yaml"
+    config.write_text("model:\n  class_path: compare_toy.ToyLM\n  init_args: {dim: 8}\n"
+                      "data:\n  class_path: compare_toy.ToyData\ntrainer:\n  max_steps: 7\ncompare:\n  seeds: 3\n")
+    parsed = _parse("--config", str(config)).config
+    assert parsed.model.class_path == "compare_toy.ToyLM"
+    assert dict(parsed.model.init_args) == {"vocab": 24, "dim": 8, "depth": 3, "dropout": 0.1, "lr": 0.01, "seq": 12}
+    assert dict(parsed.data.init_args)["batch_size"] == 8 and parsed.trainer.max_steps == 7
+    assert parsed.compare.seeds == 3
+    # the same by flags; a model without a data class brings its own dataloaders
+    parsed = _parse("--model", "compare_toy.ToyLM", "--model.dim", "8", "--seeds", "3").config
+    assert dict(parsed.model.init_args)["lr"] == 0.01 and parsed.data is None
+    # without a model the built-in one and its data are used, and flags reach them
+    parsed = _parse("--model.n_layer", "3", "--data.block_size", "16").config
+    assert parsed.model.class_path.endswith("CharGPT") and parsed.model.init_args.n_layer == 3
+    assert parsed.data.init_args.block_size == 16
 
 
-def test_methods_are_plain_plus_the_registered_rules(monkeypatch):
-    assert compare.available_methods()[0] == "plain"
-    if hasattr(lightning_resctl, "merge_rules"):
-        assert compare.available_methods() == ("plain", *lightning_resctl.merge_rules())
-    for name in compare.available_methods():
-        assert parse_config(["--methods", name]).methods == [name]
+def test_compare_flags_and_their_yaml_section_are_one_option(tmp_path):
+    a = _parse("--methods", "plain,mgr-competitive", "--shard", "2/3", "--resume").compare_options()
+    b = _parse("--compare.methods", "[plain, mgr-competitive]", "--compare.shard", "2/3",
+               "--compare.resume", "true").compare_options()
+    config = tmp_path / "c.yaml"
+    config.write_text("compare:\n  methods: plain,mgr-competitive\n  shard: 2/3\n  resume: true\n")
+    c = _parse("--config", str(config)).compare_options()
+    assert a == b == c and a.method_list() == ["plain", "mgr-competitive"] and a.shard_pair() == (2, 3) and a.resume
+    assert _parse("--preset", "paper").compare_options().method_list() == list(cli.PRESETS["paper"])
+    assert _parse("--preset", "paper", "--methods", "plain").compare_options().method_list() == ["plain"]
+    options = _parse("--methods", "plain,mgr-competitive", "--options", "{mgr-competitive: {streams: 8}}")
+    assert options.compare_options().options == {"mgr-competitive": {"streams": 8}}
 
 
-def test_a_registered_rule_is_run_by_its_name_with_streams_when_it_has_that_option(monkeypatch):
-    """No per-method branching: a newly registered name works, and only rules with a `streams`
-    option get --streams."""
-    import lightning_resctl.surgery as surgery
-
-    class Entry:
-        def __init__(self, options):
-            self.description, self._options = "a test rule", options
-
-        def option_names(self):
-            return self._options
-
-    entries = {"add": Entry([]), "brand-new": Entry(["streams", "other"])}
-    monkeypatch.setattr(lightning_resctl, "merge_rules", lambda: tuple(entries), raising=False)
-    monkeypatch.setattr(lightning_resctl, "get_merge_rule", lambda name: entries[name], raising=False)
-    calls = []
-    monkeypatch.setattr(surgery, "patch_residuals", lambda model, method, **kw: calls.append((method, kw)))
-    assert compare.available_methods() == ("plain", "add", "brand-new")
-    assert parse_config(["--methods", "plain,brand-new", "--streams", "3"]).methods == ["plain", "brand-new"]
-    model = object()
-    assert methods_mod.apply_method(model, "plain", 3) is None
-    methods_mod.apply_method(model, "brand-new", 3)
-    methods_mod.apply_method(model, "add", 3)
-    assert calls == [("brand-new", {"streams": 3}), ("add", {})]
-    assert methods_mod.describe_method("brand-new") == "a test rule"
-
-
-def test_paper_preset_runs_its_methods_or_names_the_registered_ones(capsys):
-    paper = compare.PRESETS["paper"]
-    assert paper == ("plain", "mhc-lite", "attnres-block", "attnres", "mgr-independent", "mgr-competitive",
-                     "rescontroller")
-    missing = [m for m in paper if m not in compare.available_methods()]
-    if not missing:
-        assert parse_config(["--preset", "paper"]).methods == list(paper)
-        return
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "plain,resnet"], "unknown method(s) ['resnet']"),
+    (["--shard", "3/2"], "shard must be 'I/N' with integers 1 <= I <= N, got '3/2'"),
+    (["--methods", "plain", "--options", "{mgr: {streams: 8}}"], "options names method 'mgr'"),
+    (["--methods", "plain,mgr", "--options", "{mgr: {streamz: 8}}"], "unknown option(s) for method='mgr': ['streamz']"),
+    (["--seeds", "0"], "seeds must be an int >= 1, got 0"),
+    (["--resume", "--overwrite"], "give at most one of overwrite and resume"),
+])
+def test_bad_values_stop_before_anything_runs_and_say_which(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        parse_config(["--preset", "paper"])
+        _parse(*args).compare_options()
     assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert all(m in err for m in missing) and "Registered:" in err
-    for name in compare.available_methods():
-        assert name in err
-    # --methods given alongside a preset wins
-    assert parse_config(["--preset", "paper", "--methods", "plain"]).methods == ["plain"]
+    err = " ".join(capsys.readouterr().err.split())
+    assert message in err
+    if "unknown method" in message:
+        assert all(name in err for name in cli.available_methods())
 
 
-def test_existing_results_are_not_overwritten_without_the_flag(tmp_path, monkeypatch, capsys):
+def test_methods_are_plain_plus_the_registered_rules_and_an_outside_rule_works_by_name(monkeypatch):
+    from lightning_resctl.rules import MergeRule, base
+
+    assert cli.available_methods() == ("plain", *lightning_resctl.merge_rules())
+
+    class Outside(MergeRule):
+        def merge(self, module, stream, update, inplace):
+            return stream + update
+
+    monkeypatch.setitem(base._REGISTRY, "outside", base.RuleEntry("outside", Outside, (), "an outside rule"))
+    assert _parse("--methods", "plain,outside").compare_options().method_list() == ["plain", "outside"]
+
+
+def test_existing_results_are_kept_unless_overwrite_or_resume(tmp_path, capsys):
     out = tmp_path / "out"
     (out / "runs").mkdir(parents=True)
     (out / "summary.json").write_text("{}")
-    (out / "my_notes.txt").write_text("keep me")
-    from lightning_resctl.compare import runs
-
-    monkeypatch.setattr(runs, "load_corpus", lambda **kw: pytest.fail("the job started"))
-    assert cli.main(["compare", "--out", str(out), "--steps", "2"]) == 2
+    assert entry.main(["compare", "--out", str(out), "--trainer.max_steps", "2", "--methods", "plain"]) == 2
     err = capsys.readouterr().err
-    assert "--overwrite" in err and str(out) in err and "summary.json" in err
+    assert "--overwrite" in err and "--resume" in err and str(out) in err and "summary.json" in err
     assert (out / "summary.json").read_text() == "{}"
+    assert entry.main(["compare", "--out", str(out), "--methods", "plain", "--resume"]) == 2
+    assert "no job.json" in capsys.readouterr().err
 
-    seen = {}
-    monkeypatch.setattr(runs, "_run_comparison", lambda cfg, corpus: seen.setdefault("files", sorted(
-        p.name for p in out.iterdir())))
-    assert cli.main(["compare", "--out", str(out), "--steps", "2", "--overwrite"]) == 0
-    assert seen["files"] == ["my_notes.txt"]  # the old results are gone, other files are kept
+
+def test_overwrite_removes_only_the_earlier_job(tmp_path):
+    from lightning_resctl.compare.records import JobFolder
+
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "plain_seed0.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("keep me")
+    JobFolder(tmp_path).prepare({"compare": {}}, None, overwrite=True, resume=False)
+    assert (tmp_path / "notes.txt").read_text() == "keep me" and list((tmp_path / "runs").iterdir()) == []
+
+
+def test_summarize_refuses_a_folder_without_a_job(tmp_path, capsys):
+    assert entry.main(["summarize", str(tmp_path)]) == 2
+    assert "holds no compare job" in capsys.readouterr().err
 
 
 def test_progress_line_names_run_method_seed_and_eta():
@@ -141,12 +187,15 @@ def test_progress_line_names_run_method_seed_and_eta():
     p.end_run()
     p.start_run(2, "plain", 0)
     line = stream.getvalue().strip().splitlines()[-1]
-    assert "run 2/4: plain, seed 0" in line and "total 25%" in line
-    assert "ETA 30s" in line  # 10 s for 10 of 40 steps
+    assert "run 2/4: plain, seed 0" in line and "total 25%" in line and "ETA 30s" in line  # 10 s for 10 of 40 steps
     clock["t"] = 15.0
     p.update(5, loss=2.0)
     assert "step 5/10" in stream.getvalue().splitlines()[-1]
     assert format_duration(75) == "1m15s" and format_duration(3700) == "1h01m"
+    unknown = JobProgress(2, 0, stream=io.StringIO(), interval_s=0.0, clock=lambda: 0.0)
+    unknown.start()
+    unknown.start_run(2, "plain", 1)
+    assert "step 0 |" in unknown.line() and "total 50%" in unknown.line() and "ETA --" in unknown.line()
 
 
 def test_progress_on_a_terminal_rewrites_one_line():
@@ -162,27 +211,3 @@ def test_progress_on_a_terminal_rewrites_one_line():
     p.close()
     text = stream.getvalue()
     assert text.count("\n") == 1 and text.startswith("\r") and "plain, seed 3" in text
-
-
-def test_a_small_job_prints_lightning_banner_once_and_one_progress_line(tmp_path, capfd, caplog):
-    import logging
-
-    caplog.set_level(logging.INFO, logger="lightning.pytorch")
-    src = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"
-    (tmp_path / "t.txt").write_text(src.read_text(encoding="utf-8")[:6000])
-    argv = ["compare", "--text", str(tmp_path / "t.txt"), "--n-layer", "1", "--n-embd", "8", "--n-head", "2",
-            "--block-size", "8", "--batch-size", "2", "--steps", "3", "--eval-every", "3", "--val-batches", "1",
-            "--seeds", "1", "--methods", "plain,add,rescontroller", "--ablation", "false", "--threads", "1",
-            "--accelerator", "cpu", "--out", str(tmp_path / "out"), "--depth-images", "false",
-            "--cost-steps", "1", "--cost-warmup", "0"]
-    assert cli.main(argv) == 0
-    captured = capfd.readouterr()
-    text = captured.out + captured.err
-    banner = [r.getMessage() for r in caplog.records if "GPU available" in r.getMessage()]
-    tips = [r.getMessage() for r in caplog.records if "Tip:" in r.getMessage()]
-    assert len(banner) == 1 and len(tips) <= 1, (banner, tips)
-    assert text.count("LeafSpec") <= 1
-    assert "v_num" not in text
-    for i, m in enumerate(["plain", "add", "rescontroller"], 1):
-        assert re.search(rf"run {i}/3: {m}, seed 0 \| step \d+/3 .*ETA", text), m
-    assert "cost vs plain" in text

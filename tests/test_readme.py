@@ -50,22 +50,60 @@ def _commands() -> list[list[str]]:
     return out
 
 
-def test_bash_commands_name_existing_flags_and_files():
-    from lightning_resctl.compare.cli import build_parser
+def _subcommand(c: list[str]) -> tuple[str, list[str]] | None:
+    """``(command, args)`` of ``lightning-resctl COMMAND ...`` or ``python -m lightning_resctl COMMAND ...``."""
+    if c[:1] == ["lightning-resctl"]:
+        return (c[1], c[2:]) if len(c) > 1 else ("", [])
+    if c[:3] == ["python", "-m", "lightning_resctl"]:
+        return (c[3], c[4:]) if len(c) > 3 else ("", [])
+    return None
 
+
+_MY_PKG = """
+import lightning as L
+
+
+class MyModule(L.LightningModule):
+    def __init__(self, hidden: int = 64):
+        super().__init__()
+
+
+class MyDataModule(L.LightningDataModule):
+    def __init__(self, batch_size: int = 8):
+        super().__init__()
+"""
+
+
+def test_bash_commands_name_existing_flags_and_files(tmp_path, monkeypatch):
+    """Every compare command of the README parses with the real command line (``my_pkg`` and ``my.yaml`` are the
+    README's own examples, written here), every summarize command names only its flags, every script exists."""
+    from lightning_resctl.compare.cli import CompareCLI
+
+    (tmp_path / "my_pkg").mkdir()
+    (tmp_path / "my_pkg" / "__init__.py").write_text(_MY_PKG)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    my_yaml = next(b for b in _blocks("yaml") if b.startswith("# my.yaml"))
+    (tmp_path / "my.yaml").write_text(my_yaml)
     commands = _commands()
-    compares = [c[4:] for c in commands if c[:4] == ["python", "-m", "lightning_resctl", "compare"]]
-    assert len(compares) >= 5
-    parser = build_parser()
+    compares = [sub[1] for sub in map(_subcommand, commands) if sub and sub[0] == "compare"]
+    assert len(compares) >= 8
     for args in compares:
-        if "--help" in args or "--version" in args:
+        if "--help" in args:
             continue
+        args = [str(tmp_path / "my.yaml") if a == "my.yaml" else a for a in args]
         try:
-            parser.parse_args(args)  # flags and their types; --config files are examples, not read here
-        except SystemExit as err:  # pragma: no cover - the message names the bad flag
-            pytest.fail(f"README command `compare {' '.join(args)}` does not parse (exit {err.code})")
+            cli = CompareCLI(args)
+            cli.compare_options()
+        except SystemExit as err:  # --print_config exits 0 after printing; a bad flag exits 2 naming it
+            if not ("--print_config" in args and err.code == 0):
+                pytest.fail(f"README command `compare {' '.join(args)}` does not parse (exit {err.code})")
     for c in commands:
         if c[0] == "python" and c[1].endswith(".py"):
             assert (ROOT / c[1]).is_file(), c
-        if c[:3] == ["python", "-m", "lightning_resctl"] and len(c) > 3 and c[3] != "compare":
-            assert c[3] in ("--version", "--help", "-h"), c
+        sub = _subcommand(c)
+        if sub is None:
+            continue
+        command, args = sub
+        assert command in ("compare", "summarize", "--version", "--help", "-h", ""), c
+        if command == "summarize":
+            assert [a for a in args if a.startswith("-")] in ([], ["--out"]), c

@@ -212,20 +212,22 @@ def test_outside_rule_works_by_name_in_the_compare_job(half, tmp_path):
     import sysconfig
     from pathlib import Path
 
-    from lightning_resctl.compare import parse_config, run_comparison
+    import lightning_resctl
+    from lightning_resctl.compare.data import CharDataModule
+    from lightning_resctl.compare.gpt import CharGPT
 
     text = tmp_path / "corpus.txt"
     text.write_text((Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8")[:8000])
     out = tmp_path / "out"
-    cfg = parse_config(["--text", str(text), "--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--block-size",
-                        "16", "--batch-size", "4", "--steps", "3", "--eval-every", "3", "--val-batches", "1",
-                        "--seeds", "1", "--methods", f"plain,{half}", "--ablation", "false", "--progress-bar",
-                        "false", "--out", str(out), "--threads", "1", "--depth-images", "false",
-                        "--cost-steps", "1", "--cost-warmup", "0"])
-    run_comparison(cfg)
+    lightning_resctl.compare(
+        model=lambda: CharGPT(n_layer=2, n_embd=16, n_head=2, block_size=16),
+        datamodule=CharDataModule(text=str(text), block_size=16, batch_size=4, val_batches=1),
+        methods=["plain", half], seeds=1, out=out, ablation=False, progress_bar=False, threads=1,
+        depth_images=False, cost_rounds=1, cost_warmup=0,
+        trainer={"max_steps": 3, "val_check_interval": 3, "check_val_every_n_epoch": None, "accelerator": "cpu"})
     summary = json.loads((out / "summary.json").read_text())
     text_md = (out / "summary.md").read_text()
     assert half in text_md and "stream + scale * update" in text_md
     runs = {r["method"]: r for r in summary["runs"]}
     assert runs[half]["sites"] == 4 and runs[half]["patch_options"] == {"scale": 0.5}
-    assert math.isfinite(runs[half]["final_val_loss"])
+    assert math.isfinite(runs[half]["final"])

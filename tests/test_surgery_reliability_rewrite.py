@@ -203,9 +203,9 @@ def test_pickled_function_merge_with_a_changed_function_fails_naming_the_site(tm
 
 # ---------------------------------------------------------------------------------------------- branch labels
 def test_branch_labels_nanogpt():
-    from lightning_resctl.gpt import GPT
+    from lightning_resctl.testing.models import NanoGPT
 
-    model = GPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    model = NanoGPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
     idx = torch.randint(0, 32, (2, 8))
     report = patch_residuals(model, method="add", example_input=idx)
     assert [s.branch for s in report.sites] == ["attn", "mlp"] * 2

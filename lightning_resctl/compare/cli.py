@@ -1,198 +1,200 @@
-"""The ``compare`` command line: flags, ``--config FILE.yaml``, ``--preset``, and :func:`main`."""
+"""The command line: ``lightning-resctl compare`` (built on LightningCLI) and ``lightning-resctl summarize``.
+
+``compare`` reads what the user's own LightningCLI reads — ``--model``, ``--data``, ``--trainer.*`` with
+``class_path`` / ``init_args``, or ``--config my.yaml`` with ``model:``, ``data:``, ``trainer:`` — plus the job's
+own options (:class:`~lightning_resctl.compare.options.CompareOptions`) as ``--methods`` / ``--compare.methods``
+flags or a ``compare:`` section; ``--print_config`` prints the whole configuration. Without ``--model`` the
+built-in byte-level GPT and its standard-library corpus are compared, with :data:`TRAINER_DEFAULTS`.
+"""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import textwrap
+import typing
 from collections.abc import Sequence
-from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Union
 
-from .config import CompareConfig
-from .methods import PRESETS, UnknownMethodError, available_methods, check_methods
+from jsonargparse import DefaultHelpFormatter
+from lightning import LightningModule
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-__all__ = ["build_parser", "parse_config", "main", "HelpFormatter"]
+from . import job
+from .methods import PRESETS, available_methods
+from .options import HELP, CompareOptions
 
-PROG = "python -m lightning_resctl compare"
-_ALIASES = {"depth": "n_layer", "width": "n_embd", "heads": "n_head", "device": "accelerator", "output_dir": "out"}
+__all__ = ["CompareCLI", "main", "summarize_main", "TRAINER_DEFAULTS", "PROG"]
 
+PROG = "lightning-resctl compare"
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """``--help`` shows the default of every option, including options without a help text."""
+#: Trainer settings of the command line unless given (the quick default of the built-in model: 160 steps,
+#: validation every 10 steps on 3 batches, one device).
+TRAINER_DEFAULTS = {"max_steps": 160, "val_check_interval": 10, "check_val_every_n_epoch": None,
+                    "log_every_n_steps": 20, "gradient_clip_val": 1.0, "devices": 1, "num_sanity_val_steps": 0,
+                    "enable_model_summary": False}
+DEFAULT_MODEL = "lightning_resctl.compare.gpt.CharGPT"
+DEFAULT_DATA = "lightning_resctl.compare.data.CharDataModule"
 
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if action.default is argparse.SUPPRESS or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
-            return text
-        if "%(default)" in text or "(default:" in text:
-            return text
-        default = action.default
-        if isinstance(default, (list, tuple)):
-            shown = ",".join(map(str, default))
-        else:
-            shown = "%(default)s"
-        return (text + " " if text else "") + f"(default: {shown})"
-
-
-def _bool(text: str) -> bool:
-    lowered = str(text).lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
-
-
-def _methods(text: str) -> list[str]:
-    names = [m.strip() for m in str(text).split(",") if m.strip()]
-    try:
-        return check_methods(names)
-    except UnknownMethodError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+_DESCRIPTION = textwrap.fill(
+    "Train your LightningModule (default: the built-in byte-level GPT) with plain residuals and with each merge "
+    "rule: same initial weights, data order, optimizer and Trainer settings per seed. Compare the monitored "
+    "validation metric seed by seed, check how far each method starts from plain, measure each method's training "
+    "step next to plain's, and write summary.md, PNG plots and TensorBoard logs into --out. model/data/trainer "
+    "take the same arguments and YAML (class_path / init_args) as your own LightningCLI.")
+_EPILOG = f"""examples:
+  {PROG}                                   # the quick default: built-in GPT, 4 methods, 2 seeds
+  {PROG} --model my_pkg.MyModule --data my_pkg.MyDataModule --trainer.max_steps 2000 \\
+      --methods plain,mgr-competitive,rescontroller --seeds 3
+  {PROG} --config my.yaml                  # model:, data:, trainer: and a compare: section
+  {PROG} --config my.yaml --print_config   # the whole configuration, defaults included
+  {PROG} --preset paper --seeds 3 --model.n_layer 8 --trainer.max_steps 200
+  {PROG} --config my.yaml --resume         # continue a killed job
+  {PROG} --config my.yaml --shard 1/2 --out runs/s1   # then: lightning-resctl summarize runs/s1 runs/s2
+method names: {', '.join(available_methods())}; presets: {'; '.join(f'{k} = {",".join(v)}' for k, v in PRESETS.items())}"""
 
 
-def _version() -> str:
-    from .. import __version__
-
-    return f"lightning_resctl {__version__}"
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """jsonargparse's help, with the description and the examples printed as written."""
 
 
-def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
-    """The ``compare`` flags. Every flag is also a YAML key of ``--config`` (flags win)."""
-    d = CompareConfig()
-    p = argparse.ArgumentParser(
-        prog=prog, formatter_class=HelpFormatter, usage="%(prog)s [flags]  (--help: every flag and its default)",
-        description="Train the same char-level GPT with each residual merge (same seeds, data order, "
-                    "optimizer, steps), measure each method's training-step cost next to plain's, and write "
-                    "summary.md, PNG plots and TensorBoard logs into --out.",
-        epilog="examples:\n"
-               f"  {prog}                                  # the quick default (about 10-15 min on 2 CPU cores)\n"
-               f"  {prog} --preset paper --steps 1000 --seeds 3\n"
-               f"  {prog} --methods plain,mgr-competitive --config my.yaml --out runs/x --overwrite")
-    p.add_argument("--version", action="version", version=_version())
-    p.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (keys as the flags, "
-                   "dashes or underscores); flags given on the command line override it")
-    g = p.add_argument_group("model")
-    g.add_argument("--n-layer", "--depth", dest="n_layer", type=int, default=d.n_layer,
-                   help="transformer blocks (2 residual merges each)")
-    g.add_argument("--n-embd", "--width", dest="n_embd", type=int, default=d.n_embd, help="width C")
-    g.add_argument("--n-head", "--heads", dest="n_head", type=int, default=d.n_head, help="attention heads")
-    g.add_argument("--block-size", dest="block_size", type=int, default=d.block_size, help="context length")
-    g.add_argument("--dropout", type=float, default=d.dropout, help="dropout probability")
-    g = p.add_argument_group("methods and seeds")
-    g.add_argument("--methods", type=_methods, default=None,
-                   help="comma-separated: plain (the model unpatched) or any registered merge rule: "
-                        f"{', '.join(available_methods()[1:])} (default: {','.join(d.methods)})")
-    g.add_argument("--preset", choices=sorted(PRESETS), default=d.preset,
-                   help="a named method set instead of --methods: "
-                        + "; ".join(f"{k} = {','.join(v)}" for k, v in PRESETS.items()))
-    g.add_argument("--seeds", type=int, default=d.seeds, help="number of seeds; every method runs on each")
-    g.add_argument("--first-seed", dest="first_seed", type=int, default=d.first_seed, help="first seed")
-    g.add_argument("--streams", type=int, default=d.streams,
-                   help="n, for every rule with a `streams` option (MGR, HC, ...)")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=d.steps, help="training steps per run")
-    g.add_argument("--batch-size", dest="batch_size", type=int, default=d.batch_size, help="sequences per step")
-    g.add_argument("--lr", type=float, default=d.lr, help="AdamW peak learning rate")
-    g.add_argument("--weight-decay", dest="weight_decay", type=float, default=d.weight_decay,
-                   help="AdamW weight decay (matrices only)")
-    g.add_argument("--warmup-steps", dest="warmup_steps", type=int, default=d.warmup_steps,
-                   help="linear warm-up before the cosine decay")
-    g.add_argument("--grad-clip", dest="grad_clip", type=float, default=d.grad_clip, help="gradient norm clip")
-    g = p.add_argument_group("evaluation and logging")
-    g.add_argument("--eval-every", dest="eval_every", type=int, default=d.eval_every,
-                   help="validate every N steps")
-    g.add_argument("--val-batches", dest="val_batches", type=int, default=d.val_batches,
-                   help="batches per validation (the same windows for every method and seed)")
-    g.add_argument("--ablation", type=_bool, default=d.ablation, metavar="BOOL",
-                   help="run ResidualAblationCallback once at the end (loss increase per skipped merge)")
-    g.add_argument("--ablation-batches", dest="ablation_batches", type=int, default=d.ablation_batches,
-                   help="validation batches per ablated merge")
-    g.add_argument("--log-every-n-steps", dest="log_every_n_steps", type=int, default=d.log_every_n_steps,
-                   help="TensorBoard logging interval of the diagnostics")
-    g.add_argument("--depth-images", dest="depth_images", type=_bool, default=d.depth_images, metavar="BOOL",
-                   help="TensorBoard depth-profile images at every validation")
-    g.add_argument("--cost-steps", dest="cost_steps", type=int, default=d.cost_steps,
-                   help="timed rounds of the cost-vs-plain measurement (one interleaved training step per "
-                        "method per round; 0 = skip)")
-    g.add_argument("--cost-warmup", dest="cost_warmup", type=int, default=d.cost_warmup,
-                   help="untimed rounds before them")
-    g = p.add_argument_group("hardware")
-    g.add_argument("--accelerator", "--device", dest="accelerator", default=d.accelerator,
-                   help="Lightning accelerator: auto, cpu, gpu, cuda, mps")
-    g.add_argument("--precision", default=d.precision, help="Lightning precision, e.g. 32-true, bf16-mixed")
-    g.add_argument("--threads", type=int, default=d.threads, help="torch.set_num_threads (CPU); None = torch's")
-    g = p.add_argument_group("data")
-    g.add_argument("--text", default=d.text, metavar="PATH",
-                   help="your own text file or folder instead of the standard-library sources")
-    g.add_argument("--hf-dataset", dest="hf_dataset", default=d.hf_dataset, metavar="NAME",
-                   help="a Hugging Face dataset name (needs `datasets` and network)")
-    g.add_argument("--hf-config", dest="hf_config", default=d.hf_config, help="its configuration name")
-    g.add_argument("--hf-text-field", dest="hf_text_field", default=d.hf_text_field, help="its text column")
-    g.add_argument("--max-train-chars", dest="max_train_chars", type=int, default=d.max_train_chars,
-                   help="cap on training characters")
-    g.add_argument("--max-val-chars", dest="max_val_chars", type=int, default=d.max_val_chars,
-                   help="cap on validation characters")
-    g = p.add_argument_group("output")
-    g.add_argument("--out", "--output-dir", dest="out", default=d.out, help="output folder")
-    g.add_argument("--overwrite", action="store_true", default=d.overwrite,
-                   help="replace the results of an earlier job in --out (without it, such a folder is an error)")
-    g.add_argument("--progress-bar", dest="progress_bar", type=_bool, default=d.progress_bar, metavar="BOOL",
-                   help="one progress line for the whole job (run, method, seed, step, ETA)")
-    return p
+def _methods(value: Any) -> list[str]:
+    """A list of method names, from a list or a comma-separated string."""
+    if isinstance(value, str):
+        return [m.strip() for m in value.split(",") if m.strip()]
+    return [str(m) for m in value]
 
 
-def _yaml_defaults(path: str) -> dict[str, Any]:
+def _given(args: Sequence[str], key: str) -> bool:
+    """Whether ``args`` choose a class for ``key`` (``--model CLASS``, ``--model=CLASS``, or a ``--config`` file with
+    a ``model:`` entry)."""
     import yaml
 
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except FileNotFoundError:
-        raise SystemExit(f"--config: no such file: {path!r}") from None
-    if not isinstance(data, dict):
-        raise SystemExit(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
-    valid = {f.name for f in fields(CompareConfig)}
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name = str(key).replace("-", "_")
-        name = _ALIASES.get(name, name)
-        if name not in valid:
-            raise SystemExit(f"--config {path}: unknown option {key!r}; valid: {sorted(valid)}")
-        if name == "methods" and isinstance(value, str):
-            value = [m.strip() for m in value.split(",") if m.strip()]
-        out[name] = value
-    return out
+    for i, arg in enumerate(args):
+        if arg == f"--{key}" or arg.startswith(f"--{key}="):
+            return True
+        path = args[i + 1] if arg in ("-c", "--config") and i + 1 < len(args) else (
+            arg.split("=", 1)[1] if arg.startswith("--config=") else None)
+        if path is not None and Path(path).is_file():
+            try:
+                loaded = yaml.safe_load(Path(path).read_text())
+            except yaml.YAMLError:
+                continue  # the parser reports it
+            if isinstance(loaded, dict) and loaded.get(key) is not None:
+                return True
+    return False
 
 
-def parse_config(argv: Sequence[str] | None = None) -> CompareConfig:
-    """Flags -> :class:`CompareConfig`; ``--config FILE.yaml`` supplies defaults that flags override.
+class CompareCLI(LightningCLI):
+    """LightningCLI of the compare job: ``model``, ``data`` and ``trainer`` as in any LightningCLI (subclass mode, so
+    ``--model my_pkg.MyModule``), and a ``compare`` group (every field of :class:`CompareOptions`, also as a
+    top-level flag: ``--methods`` = ``--compare.methods``). Nothing is instantiated on parsing: the job builds the
+    model once per seed and the data and Trainer once per run (:meth:`job_inputs`)."""
 
-    ``--preset NAME`` selects its method set unless methods are given too (by flag or YAML)."""
-    parser = build_parser()
-    pre, _ = parser.parse_known_args(argv)
-    if pre.config:
-        parser.set_defaults(**_yaml_defaults(pre.config))
-    args = vars(parser.parse_args(argv))
-    args.pop("config", None)
-    if args.get("methods") is None:
-        args["methods"] = list(PRESETS[args["preset"]]) if args.get("preset") else list(CompareConfig().methods)
-    cfg = CompareConfig(**args)
-    try:
-        return cfg.validate()
-    except ValueError as err:
-        parser.error(str(err))
-        raise  # unreachable
+    def __init__(self, args: Sequence[str] | None = None):
+        super().__init__(
+            model_class=LightningModule, datamodule_class=None, subclass_mode_model=True,
+            subclass_mode_data=True, trainer_defaults=TRAINER_DEFAULTS, seed_everything_default=False,
+            save_config_callback=None, auto_configure_optimizers=False, run=False, args=args,
+            parser_kwargs={"prog": PROG, "description": _DESCRIPTION, "epilog": _EPILOG, "default_env": False,
+                           "formatter_class": _HelpFormatter})
+
+    # ------------------------------------------------------------------ parser
+    def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """No ``--seed_everything``: the job seeds every run itself (``--seeds``, ``--first_seed``)."""
+
+    def _set_seed(self) -> None:
+        """The job seeds each run; nothing is seeded on parsing."""
+
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        """Parse ``args`` (``sys.argv[1:]`` when None). Without a model class (``--model CLASS`` or ``model:`` in a
+        config file) the built-in model is compared, on the built-in data unless ``--data`` / ``data:`` is given;
+        with a model class and no data class the model's own dataloaders are used. (Defaults are prepended rather
+        than set in the parser: jsonargparse keeps a default class's init args that a new class also accepts, which
+        would hand the built-in model's ``lr`` or ``dropout`` to the user's model.)"""
+        args = list(sys.argv[1:] if args is None else args)
+        if not _given(args, "model"):
+            args = ["--model", DEFAULT_MODEL, *([] if _given(args, "data") else ["--data", DEFAULT_DATA]), *args]
+        self.config = parser.parse_args(args)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        hints = typing.get_type_hints(CompareOptions)
+        defaults = CompareOptions()
+        for field in CompareOptions.__dataclass_fields__.values():
+            # methods: a list, or a comma-separated string (split in compare_options)
+            kind = Optional[Union[list[str], str]] if field.name == "methods" else hints[field.name]
+            default = getattr(defaults, field.name)
+            flag = {"nargs": "?", "const": True} if kind is bool else {}  # `--resume` = `--resume true`
+            parser.add_argument(f"--compare.{field.name}", f"--{field.name}", type=kind, default=default,
+                                help=HELP[field.name], **flag)
+
+    def instantiate_classes(self) -> None:
+        """Nothing is built on parsing (see the class docstring)."""
+
+    # ------------------------------------------------------------------ what the job needs
+    def compare_options(self) -> CompareOptions:
+        """The ``compare`` group as validated :class:`CompareOptions` (a bad value exits with the parser's error)."""
+        values = dict(self.config.compare)
+        if values.get("methods") is not None:
+            values["methods"] = _methods(values["methods"])
+        try:
+            return CompareOptions(**values).validate()
+        except ValueError as err:
+            self.parser.error(str(err))
+            raise  # unreachable: error() exits
+
+    def _instantiate(self, key: str) -> Any:
+        instantiate = getattr(self.parser, "instantiate", None) or self.parser.instantiate_classes
+        sub = type(self.config)(**{key: self.config[key].clone() if self.config[key] is not None else None})
+        return instantiate(sub)[key]
+
+    def job_inputs(self) -> job.JobInputs:
+        """How the job builds the model (once per seed), the data and the Trainer arguments (once per run)."""
+        dumped = json.loads(self.parser.dump(self.config, format="json", skip_none=False))
+
+        def trainer_kwargs() -> dict[str, Any]:
+            return dict(self._instantiate("trainer"))
+
+        def datamodule():
+            return self._instantiate("data") if self.config.get("data") is not None else None
+
+        identity = {key: dumped.get(key) for key in ("model", "data", "trainer")}
+        return job.JobInputs(lambda: self._instantiate("model"), datamodule, trainer_kwargs, identity)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lightning_resctl compare [flags]``."""
-    from .. import compare  # the package attribute, so that tests and wrappers can replace it
-    from .runs import OutputExistsError
+    """``lightning-resctl compare [flags]`` (``python -m lightning_resctl compare``): returns the exit status."""
+    from .records import JobMismatchError, OutputExistsError
 
-    cfg = parse_config(argv)
+    cli = CompareCLI(list(argv) if argv is not None else None)
+    opts = cli.compare_options()
     try:
-        compare.run_comparison(cfg)
-    except OutputExistsError as err:
+        job.run_job(cli.job_inputs(), opts)
+    except (OutputExistsError, JobMismatchError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def summarize_main(argv: Sequence[str] | None = None) -> int:
+    """``lightning-resctl summarize OUT [OUT ...] [--out DIR]``: merge one job's folders (e.g. its shards)."""
+    from jsonargparse import ArgumentParser
+
+    from .api import summarize
+    from .records import JobMismatchError
+
+    parser = ArgumentParser(prog="lightning-resctl summarize", default_env=False,
+                            description="Merge the run records of one compare job's output folders (e.g. the "
+                                        "folders of its shards) into one summary.md / summary.json / plots.")
+    parser.add_argument("folders", nargs="+", help="output folders of the same job")
+    parser.add_argument("--out", default=None, help="where to write the summary (default: the first folder)")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        table = summarize(*args.folders, out=args.out)
+    except (FileNotFoundError, JobMismatchError) as err:
+        print(f"lightning-resctl summarize: error: {err}", file=sys.stderr)
+        return 2
+    print(table.to_markdown())
+    print(f"[resctl] summary: {table.path / 'summary.md'}")
     return 0

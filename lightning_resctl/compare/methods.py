@@ -1,81 +1,70 @@
-"""Which methods the compare job can run, and how one is applied: the merge-rule registry.
+"""Which methods the compare job can run, and what the registry says about each: the merge-rule registry.
 
 A method is ``"plain"`` (the model as written, unpatched) or any name registered with
-:func:`lightning_resctl.merge_rules`; it is applied by ``patch_residuals(model, method=name)``.
-Nothing here branches on a rule's name. The one option the compare job sets itself is ``streams``
-(``--streams``), passed to every rule whose options include ``streams``.
-
-Until the package has the registry (``lightning_resctl.merge_rules``), :data:`_FALLBACK` maps the
-names onto the older ``patch_residuals`` methods.
+:func:`lightning_resctl.register_merge_rule` (:func:`lightning_resctl.merge_rules` lists them); it is applied
+by ``patch_residuals(model, method=name, **options)``. Nothing here branches on a rule's name: descriptions,
+option names and the identity-at-init claim (the rule class's ``identity_at_init``) come from the registry.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
-__all__ = ["PLAIN", "PRESETS", "DEFAULT_METHODS", "available_methods", "registered_rules", "describe_method",
-           "method_options", "check_methods", "apply_method", "branch_labels", "UnknownMethodError"]
+__all__ = ["PLAIN", "PRESETS", "DEFAULT_METHODS", "available_methods", "describe_method", "check_methods",
+           "check_method_options", "apply_method", "claims_identity_at_init", "resolve_methods",
+           "UnknownMethodError"]
 
 PLAIN = "plain"
 
-#: The quick default: sized to finish within 15 minutes on 2 CPU cores (see README).
+#: The quick default: sized to finish within 15 minutes on 2 CPU cores with the built-in model (see README).
 DEFAULT_METHODS = ("plain", "rescontroller", "mgr-independent", "mgr-competitive")
 
-#: Named method sets for ``--preset``.
+#: Named method sets (``--preset``).
 PRESETS: dict[str, tuple[str, ...]] = {
     "quick": DEFAULT_METHODS,
-    # the methods of the MGR paper's comparison: PreNorm (our GPT unpatched), mHC-lite, Block and
-    # Full Attention Residuals, both MGR gatings, and ResController
+    # the methods of the MGR paper's comparison: PreNorm (the model unpatched), mHC-lite, Block and Full Attention
+    # Residuals, both MGR gatings, and ResController
     "paper": ("plain", "mhc-lite", "attnres-block", "attnres", "mgr-independent", "mgr-competitive",
               "rescontroller"),
 }
 
-# registered name -> (older patch_residuals method, preset options, description); used only when
-# lightning_resctl has no merge-rule registry yet.
-_FALLBACK: dict[str, tuple[str, dict[str, Any], str]] = {
-    "add": ("add", {}, "stream + update, rewritten by the surgery (the control: bitwise equal to plain)"),
-    "rescontroller": ("rescontroller", {}, "ResController: parameter-free, energy-aware merge"),
-    "mgr": ("mgr", {}, "Multi-Gate Residuals, n gated streams per token"),
-    "mgr-independent": ("mgr", {"gating": "independent"}, "Multi-Gate Residuals, independent sigmoid gates"),
-    "mgr-competitive": ("mgr", {"gating": "competitive"}, "Multi-Gate Residuals, competitive softmax gates"),
-}
-_PLAIN_DESCRIPTION = "the model as written (pre-norm residual x = x + f(x), unpatched)"
+_PLAIN_DESCRIPTION = "the model as written (its residual additions unpatched)"
 
 
 class UnknownMethodError(ValueError):
-    """A method name that is neither ``plain`` nor a registered merge rule."""
+    """A method name that is neither ``plain`` nor a registered merge rule, or an option a rule does not have."""
 
 
 def _registry():
-    import lightning_resctl
+    from ..rules import get_merge_rule, make_rule, merge_rules
 
-    merge_rules = getattr(lightning_resctl, "merge_rules", None)
-    get_merge_rule = getattr(lightning_resctl, "get_merge_rule", None)
-    if merge_rules is None or get_merge_rule is None:
-        return None
-    return merge_rules, get_merge_rule
-
-
-def registered_rules() -> tuple[str, ...]:
-    """The merge-rule names ``patch_residuals`` accepts (the registry's, or the fallback's)."""
-    reg = _registry()
-    return tuple(reg[0]()) if reg is not None else tuple(_FALLBACK)
+    return merge_rules, get_merge_rule, make_rule
 
 
 def available_methods() -> tuple[str, ...]:
     """``"plain"`` followed by every registered merge-rule name."""
-    return (PLAIN, *registered_rules())
+    return (PLAIN, *_registry()[0]())
 
 
 def describe_method(name: str) -> str:
-    """One line saying what the method's merges compute."""
+    """One line saying what the method's merges compute (the registry's description)."""
     if name == PLAIN:
         return _PLAIN_DESCRIPTION
-    reg = _registry()
-    if reg is not None:
-        return str(getattr(reg[1](name), "description", "") or "")
-    return _FALLBACK[name][2]
+    return str(_registry()[1](name).description or "")
+
+
+def resolve_methods(methods, preset: str | None) -> list[str]:
+    """The methods of a job: ``methods`` when given (a list or a comma-separated string), else ``preset``'s, else
+    :data:`DEFAULT_METHODS`; checked with :func:`check_methods`."""
+    if preset is not None and preset not in PRESETS:
+        raise UnknownMethodError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    if isinstance(methods, str):
+        methods = [m.strip() for m in methods.split(",") if m.strip()]
+    if methods is None:
+        methods = PRESETS[preset] if preset is not None else DEFAULT_METHODS
+    return check_methods(methods)
 
 
 def check_methods(names) -> list[str]:
@@ -94,43 +83,43 @@ def check_methods(names) -> list[str]:
     return names
 
 
-def method_options(name: str, streams: int | None = None) -> dict[str, Any]:
-    """The options the compare job passes to ``patch_residuals`` for ``name``: ``streams`` for every
-    rule that has that option (nothing else: the registered name carries its presets)."""
-    if name == PLAIN or streams is None:
-        return {}
-    reg = _registry()
-    if reg is not None:
-        entry = reg[1](name)
-        names = entry.option_names() if hasattr(entry, "option_names") else []
-        return {"streams": streams} if "streams" in names else {}
-    return {"streams": streams} if _FALLBACK[name][0] == "mgr" else {}
+def check_method_options(options: Mapping[str, Mapping[str, Any]] | None, methods) -> dict[str, dict[str, Any]]:
+    """``options`` maps a method of ``methods`` to its merge-rule options (``{"mgr-competitive": {"streams": 8}}``);
+    every name and option is checked against the registry (UnknownMethodError / ValueError naming them)."""
+    options = dict(options or {})
+    for name, opts in options.items():
+        if name not in methods:
+            raise UnknownMethodError(f"options names method {name!r}, which is not among the methods {list(methods)}")
+        if name == PLAIN:
+            if opts:
+                raise UnknownMethodError(f"options: plain takes no options, got {dict(opts)}")
+            continue
+        if not isinstance(opts, Mapping):
+            raise UnknownMethodError(f"options[{name!r}] must be a mapping of option: value, got {opts!r}")
+        try:
+            _registry()[2](name, dict(opts))
+        except (TypeError, ValueError) as err:
+            raise UnknownMethodError(f"options[{name!r}]: {err}") from None
+    return {k: dict(v or {}) for k, v in options.items()}
 
 
-def apply_method(model: nn.Module, name: str, streams: int | None = None):
+def claims_identity_at_init(name: str, options: Mapping[str, Any] | None = None) -> bool:
+    """Whether the rule's docs call it identity (the unpatched model) at init with these options: the rule class's
+    ``identity_at_init`` (True, False, or the options under which it holds), read through the registry."""
+    if name == PLAIN:
+        return True
+    entry = _registry()[1](name)
+    claim = getattr(entry.rule_class, "identity_at_init", False)
+    if isinstance(claim, Mapping):
+        used = {**entry.defaults(), **dict(options or {})}
+        return all(used.get(k) == v for k, v in claim.items())
+    return bool(claim)
+
+
+def apply_method(model: nn.Module, name: str, options: Mapping[str, Any] | None = None):
     """Patch ``model`` in place for method ``name``; returns the PatchReport (None for plain)."""
     if name == PLAIN:
         return None
     from ..surgery import patch_residuals
 
-    options = method_options(name, streams)
-    if _registry() is not None:
-        return patch_residuals(model, method=name, **options)
-    method, preset, _ = _FALLBACK[name]
-    return patch_residuals(model, method=method, **preset, **options)
-
-
-def branch_labels(report, num_merges: int, n_layer: int | None = None) -> list[str] | None:
-    """Which kind of sub-layer feeds each merge ("attn", "mlp", ...), in depth order.
-
-    Uses the surgery's ``branch`` label of each site when it has one; otherwise, for the compare
-    job's own GPT (``2 * n_layer`` merges), the known alternation attention, MLP, attention, ...
-    Returns None when neither is available."""
-    sites = list(getattr(report, "sites", None) or [])
-    if sites and len(sites) == num_merges:
-        labels = [getattr(s, "branch", None) for s in sites]
-        if all(isinstance(b, str) and b for b in labels):
-            return labels
-    if n_layer is not None and num_merges == 2 * n_layer:
-        return ["attn", "mlp"] * n_layer
-    return None
+    return patch_residuals(model, method=name, **dict(options or {}))

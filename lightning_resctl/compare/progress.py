@@ -27,7 +27,8 @@ def format_duration(seconds: float) -> str:
 
 
 class JobProgress:
-    """The job's progress over ``total_runs`` runs of ``steps_per_run`` training steps each."""
+    """The job's progress over ``total_runs`` runs of ``steps_per_run`` training steps each (0: unknown, e.g. runs
+    bounded by epochs; then the ETA is left out)."""
 
     def __init__(self, total_runs: int, steps_per_run: int, *, enabled: bool = True, stream: TextIO | None = None,
                  interval_s: float = 30.0, clock=time.perf_counter):
@@ -77,12 +78,14 @@ class JobProgress:
     # ---------------------------------------------------------------- text
     @property
     def fraction(self) -> float:
+        if self.steps_per_run <= 0:  # steps per run unknown (epoch-based runs): count finished runs
+            return min(1.0, (self.run_index - 1) / self.total_runs) if self.total_runs else 1.0
         total = self.total_runs * self.steps_per_run
         return min(1.0, (self.steps_done + self.step) / total) if total else 1.0
 
     def eta_s(self) -> float | None:
         done = self.steps_done + self.step
-        if self.train_started is None or done == 0:
+        if self.train_started is None or done == 0 or self.steps_per_run <= 0:
             return None
         elapsed = self.clock() - self.train_started
         return elapsed / done * (self.total_runs * self.steps_per_run - done)
@@ -91,7 +94,7 @@ class JobProgress:
         elapsed = self.clock() - (self.started if self.started is not None else self.clock())
         eta = self.eta_s()
         parts = [f"[resctl] run {self.run_index}/{self.total_runs}: {self.method}, seed {self.seed}",
-                 f"step {self.step}/{self.steps_per_run}"]
+                 f"step {self.step}/{self.steps_per_run}" if self.steps_per_run > 0 else f"step {self.step}"]
         if self.loss is not None:
             parts.append(f"loss {self.loss:.3f}")
         if self.phase and self.phase != "done":

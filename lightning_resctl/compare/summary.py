@@ -1,48 +1,77 @@
-"""The summary of a comparison: statistics over seeds, plain-language verdicts, ``summary.md``,
-``summary.json`` and the PNG plots.
-
-A value's *spread* over seeds is half its range, ``(max - min) / 2``, so with 2 seeds
-``mean ± spread`` is exactly the interval of the two runs. A method's loss is said to *differ from
-plain beyond the seed spread* only when the ranges of its per-seed values and plain's do not
-overlap; otherwise the summary says the difference is within the seed spread. With one seed there
-is no spread and no claim is made.
-"""
+"""The summary of a comparison: per-method statistics (:mod:`.stats`), the init check (:mod:`.fairness`), the
+cost column (:mod:`.cost`), plain-language verdicts, ``summary.md``, ``summary.json``, the PNG plots, and
+:class:`SummaryTable`, the table object :func:`lightning_resctl.compare` returns."""
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import asdict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import CompareConfig
-from .methods import describe_method
+from .cost import MAX_RELATIVE_IQR
+from .fairness import IDENTITY_TOLERANCE
+from .methods import PLAIN, describe_method
+from .records import _json_safe
+from .stats import describe, paired, verdict
 
-__all__ = ["write_summary"]
+__all__ = ["SummaryTable", "write_summary"]
 
-def _stats(values: Sequence[float]) -> dict[str, float]:
-    vals = [float(v) for v in values]
-    finite = [v for v in vals if math.isfinite(v)]
-    if not finite:
-        return {"mean": float("nan"), "spread": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
-    lo, hi = min(finite), max(finite)
-    return {"mean": sum(finite) / len(finite), "spread": (hi - lo) / 2, "min": lo, "max": hi, "n": len(finite)}
+PLOT_FILES = {"val_png": "val_metric.png", "stream_rms_png": "stream_rms_depth.png",
+              "update_ratio_png": "update_ratio_depth.png", "ablation_png": "ablation_depth.png"}
 
 
-def _verdict(method_stats: dict[str, float], plain_stats: dict[str, float], what: str, digits: int = 4) -> str:
-    """One sentence: is ``method - plain`` beyond the seed spread (the per-seed ranges do not overlap)?"""
-    if method_stats["n"] < 2 or plain_stats["n"] < 2:
-        return f"{what}: one seed only, so no seed spread to compare against; no claim."
-    diff = method_stats["mean"] - plain_stats["mean"]
-    if method_stats["max"] < plain_stats["min"]:
-        return (f"{what}: lower than plain by {-diff:.{digits}f} on average, beyond the seed spread "
-                f"(every seed below every plain seed).")
-    if method_stats["min"] > plain_stats["max"]:
-        return (f"{what}: higher than plain by {diff:.{digits}f} on average, beyond the seed spread "
-                f"(every seed above every plain seed).")
-    return (f"{what}: differs from plain by {diff:+.{digits}f} on average, within the seed spread "
-            f"(the seed ranges overlap): no difference shown.")
+class SummaryTable:
+    """The summary as a table: one row per method (a dict of its numbers), in the job's method order.
+
+    ``table["mgr-competitive"]`` is a row; ``table.rows`` all of them; ``table.to_pandas()`` a DataFrame (needs
+    pandas); ``str(table)`` / ``table.to_markdown()`` the table of ``summary.md``; ``table.summary`` everything
+    ``summary.json`` holds; ``table.path`` the summary's folder."""
+
+    columns = ("method", "status", "final", "spread", "seeds", "diff_vs_plain", "diff_ci95", "better_seeds",
+               "init_output_diff", "init_grad_diff", "init_flagged", "cost_vs_plain", "cost_iqr", "cost_reliable",
+               "final_train_loss", "params_added", "merges")
+
+    def __init__(self, rows: Sequence[dict[str, Any]], markdown: str, summary: dict[str, Any], path: Path):
+        self.rows = list(rows)
+        self._markdown = markdown
+        self.summary = summary
+        self.path = Path(path)
+
+    def __getitem__(self, method: str) -> dict[str, Any]:
+        for row in self.rows:
+            if row["method"] == method:
+                return row
+        raise KeyError(f"no method {method!r} in this summary; methods: {[r['method'] for r in self.rows]}")
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def to_markdown(self) -> str:
+        return self._markdown
+
+    def _repr_markdown_(self) -> str:
+        return self._markdown
+
+    def __repr__(self) -> str:
+        return self._markdown
+
+    def to_pandas(self):
+        """The rows as a ``pandas.DataFrame`` indexed by method (pandas is imported here, not required otherwise)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.rows, columns=list(self.columns)).set_index("method")
+
+
+def _fmt(stats: Mapping[str, float], digits: int = 4) -> str:
+    if stats["n"] == 0:
+        return "n/a"
+    if stats["n"] == 1:
+        return f"{stats['mean']:.{digits}f}"
+    return f"{stats['mean']:.{digits}f} ± {stats['spread']:.{digits}f}"
 
 
 def _mean_profile(lists: Sequence[Sequence[float] | None]) -> list[float] | None:
@@ -53,29 +82,6 @@ def _mean_profile(lists: Sequence[Sequence[float] | None]) -> list[float] | None
     return [sum(lst[d] for lst in lists) / len(lists) for d in range(depth)]
 
 
-def _mean_curve(curves: Sequence[Sequence[tuple[int, float]]]) -> tuple[list[int], list[float]]:
-    by_step: dict[int, list[float]] = {}
-    for curve in curves:
-        for step, value in curve:
-            by_step.setdefault(int(step), []).append(float(value))
-    steps = sorted(s for s, v in by_step.items() if len(v) == len(curves))
-    return steps, [sum(by_step[s]) / len(by_step[s]) for s in steps]
-
-
-def _fmt(stats: dict[str, float], digits: int = 4) -> str:
-    if stats["n"] == 0:
-        return "n/a"
-    if stats["n"] == 1:
-        return f"{stats['mean']:.{digits}f}"
-    return f"{stats['mean']:.{digits}f} ± {stats['spread']:.{digits}f}"
-
-
-def _save(fig, path: Path) -> str:
-    fig.savefig(path)  # Agg-canvas figures, no pyplot: nothing to close
-    return str(path)
-
-
-
 def _describe_safely(method: str) -> str:
     try:
         return describe_method(method)
@@ -83,170 +89,239 @@ def _describe_safely(method: str) -> str:
         return ""
 
 
-def write_summary(results: Sequence[dict[str, Any]], cfg: CompareConfig, out_dir: Path,
-                  corpus_description: str = "", total_wall_s: float | None = None,
-                  cost: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Aggregate per-run results into ``summary.md``, ``summary.json`` and PNG plots under ``out_dir``.
+def _cost_cell(cost: Mapping[str, Any] | None, m: str) -> str:
+    if cost is None or m not in cost.get("ratio", {}):
+        return "not measured"
+    ratio, (q1, q3) = cost["ratio"][m], cost["iqr"][m]
+    cell = f"{ratio:.2f}x ({q1:.2f}-{q3:.2f})"
+    return cell if cost["reliable"][m] else f"{cell} unreliable"
 
-    ``cost``: :func:`lightning_resctl.compare.cost.measure_cost`'s result (the "cost vs plain"
-    column), or None when it was not measured."""
+
+def _plots(runs_by_method: dict[str, list[dict]], out_dir: Path, monitor: str, n_seeds: int,
+           branches: list[str] | None) -> dict[str, str]:
     from .plots import SeedCurves, band_figure
 
-    out_dir = Path(out_dir)
-    methods = [m for m in cfg.methods if any(r["method"] == m for r in results)]
-    per: dict[str, dict[str, Any]] = {}
-    bands: dict[str, dict[str, Any]] = {}
-    nan = float("nan")
-    for m in methods:
-        runs = [r for r in results if r["method"] == m]
-
-        def profile(name, runs=runs):
-            return _mean_profile([(r.get("depth_profile") or {}).get(name) for r in runs])
-
-        rms = profile("stream_rms")
-        max_ratio = profile("max_over_median")
-        ratio = (cost or {}).get("ratio", {}).get(m, nan)
-        per[m] = {
-            "description": _describe_safely(m),
-            "seeds": [r["seed"] for r in runs],
-            "final_val_loss": _stats([r["final_val_loss"] for r in runs]),
-            "final_train_loss": _stats([r["final_train_loss"] for r in runs]),
-            "cost_vs_plain": ratio,
-            "step_s": (cost or {}).get("step_s", {}).get(m, nan),
-            "tokens_per_s": _stats([r["tokens_per_s"] for r in runs]),
-            "params_added": runs[0]["params_added"],
-            "sites": runs[0]["sites"],
-            "branches": runs[0].get("branches"),
-            "stream_rms_last_over_first": (rms[-1] / rms[0]) if rms and rms[0] > 0 else nan,
-            "max_activation_ratio": max(max_ratio) if max_ratio else nan,
-            "profiles": {name: profile(name) for name in ("stream_rms", "update_ratio", "growth",
-                                                          "max_over_median", "update_rms", "max_abs")},
-            "ablation_loss_increase": _mean_profile([r.get("ablation_loss_increase") for r in runs]),
-            "val_curve": _mean_curve([r["val_curve"] for r in runs]),
-            "train_curve": _mean_curve([r["train_curve"] for r in runs]),
-        }
-        bands[m] = {
-            "val": SeedCurves.from_curves([r["val_curve"] for r in runs]),
-            "stream_rms": SeedCurves.from_profiles([(r.get("depth_profile") or {}).get("stream_rms") for r in runs]),
-            "update_ratio": SeedCurves.from_profiles([(r.get("depth_profile") or {}).get("update_ratio")
-                                                      for r in runs]),
-            "ablation": SeedCurves.from_profiles([r.get("ablation_loss_increase") for r in runs]),
-        }
-    baseline = "plain" if "plain" in per else None
-    base_tps = per[baseline]["tokens_per_s"]["mean"] if baseline else nan
-    for m in methods:
-        per[m]["tokens_per_s_ratio"] = (per[m]["tokens_per_s"]["mean"] / base_tps
-                                       if baseline and base_tps > 0 else nan)
-    branches = next((per[m]["branches"] for m in methods if per[m]["branches"]), None)
-
     files: dict[str, str] = {}
-    # --- plots ---------------------------------------------------------------------------------
-    seeds_note = f"mean of {cfg.seeds} seed(s)" + (", band: range over seeds" if cfg.seeds > 1 else "")
-    curves = {m: b["val"] for m, b in bands.items() if b["val"].xs.size}
+    note = f"mean of {n_seeds} seed(s)" + (", band: range over seeds" if n_seeds > 1 else "")
+
+    def save(fig, key):
+        path = out_dir / PLOT_FILES[key]
+        fig.savefig(path)
+        files[key] = str(path)
+
+    curves = {m: SeedCurves.from_curves([r["curve"] for r in runs]) for m, runs in runs_by_method.items()}
+    curves = {m: c for m, c in curves.items() if c.xs.size}
     if curves:
-        files["val_loss_png"] = _save(band_figure(
-            curves, xlabel="training step", ylabel="validation loss (nats/char)",
-            title=f"validation loss every {min(cfg.eval_every, cfg.steps)} steps ({seeds_note})"),
-            out_dir / "val_loss.png")
+        save(band_figure(curves, xlabel="training step", ylabel=monitor, title=f"{monitor} at validation ({note})"),
+             "val_png")
     depth_label = "merge depth (0 = first merge)"
     for key, family, ylabel, title in (
             ("stream_rms_png", "stream_rms", "stream RMS entering the merge", "stream RMS vs depth"),
             ("update_ratio_png", "update_ratio", "update RMS / stream RMS", "update/stream ratio vs depth")):
-        curves = {m: b[family] for m, b in bands.items() if b[family] is not None}
-        if curves:
-            files[key] = _save(band_figure(curves, xlabel=depth_label, ylabel=ylabel,
-                                           title=f"{title}, end of training ({seeds_note})",
-                                           logy=family == "stream_rms", depth_axis=True, branches=branches),
-                               out_dir / f"{family}_depth.png")
-    curves = {m: b["ablation"] for m, b in bands.items() if b["ablation"] is not None}
-    if curves:
-        files["ablation_png"] = _save(band_figure(
-            curves, xlabel="merge depth skipped", ylabel="validation loss increase",
-            title=f"ablation: loss increase when one merge's update is skipped ({seeds_note})",
-            depth_axis=True, branches=branches), out_dir / "ablation_depth.png")
+        bands = {m: SeedCurves.from_profiles([(r.get("depth_profile") or {}).get(family) for r in runs])
+                 for m, runs in runs_by_method.items()}
+        bands = {m: b for m, b in bands.items() if b is not None}
+        if bands:
+            save(band_figure(bands, xlabel=depth_label, ylabel=ylabel, title=f"{title}, end of training ({note})",
+                             logy=family == "stream_rms", depth_axis=True, branches=branches), key)
+    bands = {m: SeedCurves.from_profiles([r.get("ablation_loss_increase") for r in runs])
+             for m, runs in runs_by_method.items()}
+    bands = {m: b for m, b in bands.items() if b is not None}
+    if bands:
+        save(band_figure(bands, xlabel="merge depth skipped", ylabel="validation loss increase",
+                         title=f"ablation: loss increase when one merge's update is skipped ({note})",
+                         depth_axis=True, branches=branches), "ablation_png")
+    return files
+
+
+def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]], cost: Mapping[str, Any] | None,
+                  out_dir: str | Path, total_wall_s: float | None = None) -> SummaryTable:
+    """Aggregate run records into ``summary.md``, ``summary.json`` and PNG plots under ``out_dir``; returns the
+    :class:`SummaryTable`.
+
+    ``manifest``: the job's ``job.json`` (its identity: methods, seeds, mode; its ``about`` texts);
+    ``cost``: :func:`~lightning_resctl.compare.cost.measure_cost`'s result, or None when not measured."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ident = manifest["identity"]
+    job = ident["compare"]
+    about = manifest.get("about", {})
+    methods, seeds, mode = list(job["methods"]), list(range(job["first_seed"], job["first_seed"] + job["seeds"])), job["mode"]
+    done = [r for r in records if r.get("status") == "done"]
+    monitor = next((r["monitor"] for r in done if r.get("monitor")), job.get("monitor") or "validation metric")
+    runs_by_method = {m: sorted((r for r in done if r["method"] == m), key=lambda r: r["seed"]) for m in methods}
+    runs_by_method = {m: runs for m, runs in runs_by_method.items() if runs}
+    not_run = {r["method"]: r for r in records if r.get("status") in ("refused", "failed")}
+    missing = [(m, s) for s in seeds for m in methods
+               if not any(r["method"] == m and r["seed"] == s for r in records)]
+    plain_by_seed = {r["seed"]: r["final"] for r in runs_by_method.get(PLAIN, [])}
+    plain_stats = describe(plain_by_seed.values())
+
+    per: dict[str, dict[str, Any]] = {}
+    rows: list[dict[str, Any]] = []
+    for m in methods:
+        runs = runs_by_method.get(m, [])
+        if not runs:
+            continue
+        finals = {r["seed"]: r["final"] for r in runs}
+        stats = describe(finals.values())
+        pair = paired(finals, plain_by_seed, mode) if m != PLAIN and plain_by_seed else None
+        inits = [r.get("init_difference") or {} for r in runs]
+        init_out = max((d.get("output") or 0.0 for d in inits), default=math.nan)
+        init_grad = max((d.get("grad_norm") or 0.0 for d in inits), default=math.nan)
+        flagged = any(d.get("flagged") for d in inits)
+        claimed = any(d.get("identity_claimed") for d in inits)
+        profiles = {name: _mean_profile([(r.get("depth_profile") or {}).get(name) for r in runs])
+                    for name in ("stream_rms", "update_ratio", "growth", "max_over_median")}
+        rms, max_ratio = profiles["stream_rms"], profiles["max_over_median"]
+        per[m] = {
+            "description": _describe_safely(m), "seeds": sorted(finals), "final": stats,
+            "final_train_loss": describe([r["final_train_loss"] for r in runs]), "paired": pair,
+            "init_output_diff": init_out, "init_grad_diff": init_grad, "identity_claimed": claimed,
+            "init_flagged": flagged,
+            "cost": None if cost is None or m not in cost.get("ratio", {}) else {
+                k: cost[k][m] for k in ("ratio", "iqr", "range", "reliable", "step_s")},
+            "params_added": runs[0]["params_added"], "sites": runs[0]["sites"], "branches": runs[0].get("branches"),
+            "stream_rms_last_over_first": (rms[-1] / rms[0]) if rms and rms[0] else math.nan,
+            "max_activation_ratio": max(max_ratio) if max_ratio else math.nan,
+            "profiles": profiles,
+            "ablation_loss_increase": _mean_profile([r.get("ablation_loss_increase") for r in runs]),
+            "init_fingerprints": sorted({r.get("init_fingerprint", "") for r in runs}),
+        }
+        rows.append({
+            "method": m, "status": "done", "final": stats["mean"], "spread": stats["spread"], "seeds": stats["n"],
+            "diff_vs_plain": pair["mean"] if pair else (0.0 if m == PLAIN else math.nan),
+            "diff_ci95": pair["ci"] if pair else None, "better_seeds": (pair["better"], pair["n"]) if pair else None,
+            "init_output_diff": init_out, "init_grad_diff": init_grad, "init_flagged": flagged,
+            "cost_vs_plain": per[m]["cost"]["ratio"] if per[m]["cost"] else math.nan,
+            "cost_iqr": per[m]["cost"]["iqr"] if per[m]["cost"] else None,
+            "cost_reliable": per[m]["cost"]["reliable"] if per[m]["cost"] else None,
+            "final_train_loss": per[m]["final_train_loss"]["mean"], "params_added": per[m]["params_added"],
+            "merges": per[m]["sites"]})
+    for m, r in not_run.items():
+        rows.append({**{c: None for c in SummaryTable.columns}, "method": m, "status": f"{r['status']}: {r['reason']}"})
+
+    # the same initial weights for every method of a seed (checked across processes and shards)
+    by_seed: dict[int, set] = {}
+    for r in done:
+        by_seed.setdefault(r["seed"], set()).add(r.get("init_fingerprint", ""))
+    unmatched = sorted(s for s, fps in by_seed.items() if len(fps) > 1)
+
+    branches = next((p["branches"] for p in per.values() if p["branches"]), None)
+    files = _plots(runs_by_method, out_dir, monitor, len(seeds), branches)
 
     # --- summary.md --------------------------------------------------------------------------
+    direction = "lower is better" if mode == "min" else "higher is better"
     lines = ["# Residual merge comparison", ""]
-    if corpus_description:
-        lines += [f"Corpus: {corpus_description}.", ""]
-    lines += [f"Model: char-level GPT, {cfg.n_layer} layers ({2 * cfg.n_layer} residual merges, attention and MLP "
-              f"alternating), C={cfg.n_embd}, {cfg.n_head} heads, context {cfg.block_size}. Training: {cfg.steps} "
-              f"steps of {cfg.batch_size} sequences, AdamW lr={cfg.lr}, weight decay {cfg.weight_decay}, warm-up "
-              f"{cfg.warmup_steps} steps then cosine; gradient clip {cfg.grad_clip}. Seeds {cfg.seed_list()}: for "
-              f"each seed every method starts from the same initial weights and sees the same batches in the same "
-              f"order. Rules with a `streams` option use n={cfg.streams}. plain is the unpatched model (the "
-              f"diagnostics callback observes it through `add` merges, which leave its outputs bitwise unchanged).",
-              ""]
+    for key, label in (("data", "Data"), ("model", "Model"), ("trainer", "Trainer")):
+        if about.get(key):
+            lines.append(f"{label}: {about[key]}.")
+    lines += ["", f"Compared: `{monitor}` at the last validation ({direction}). Seeds {seeds}: for each seed every "
+              "method starts from the same initial weights of the unmodified model and sees the same batches in the "
+              "same order, with the same optimizer and Trainer settings; the method is applied by "
+              "ResidualControlCallback, and plain is the unpatched model (observed through `add` merges, which leave "
+              "its outputs bitwise unchanged).", ""]
     lines += ["| method | what the merges compute |", "|---|---|"]
-    lines += [f"| {m} | {per[m]['description']} |" for m in methods] + [""]
+    lines += [f"| {m} | {per[m]['description'] if m in per else _describe_safely(m)} |" for m in methods] + [""]
+    for m, r in not_run.items():
+        lines.append(f"- **method {m} {r['status']}**: {r['reason']}")
+    if missing:
+        lines.append(f"- **not run yet** ({len(missing)} runs): "
+                     + ", ".join(f"{m} seed {s}" for m, s in missing)
+                     + ". Merge the other shards' folders with `lightning-resctl summarize`, or resume the job.")
+    if unmatched:
+        lines.append(f"- **warning**: the methods of seed(s) {unmatched} did not start from the same initial weights "
+                     "(the model's construction is not deterministic under seed_everything): their comparison is "
+                     "not matched.")
+    if not_run or missing or unmatched:
+        lines.append("")
     if cost is not None:
-        cost_text = (f"cost vs plain: a training step's time over plain's, measured in one process before the runs, "
-                     f"{cost['rounds']} rounds of one step per method in rotating order on the same batch, median "
-                     f"of the per-round ratios (forward, backward, clipping and optimizer step; no Lightning, no "
-                     f"diagnostics); device {cost.get('device', '?')}, timed by {cost.get('clock', 'wall time')}. ")
+        cost_text = (f"Cost vs plain: a training step's time over plain's, measured in one process before the runs: "
+                     f"{cost['rounds']} timed rounds of one step per method in rotating order on the same batch, after "
+                     f"{cost['warmup_rounds']} untimed rounds (every batch shape compiled first); median of the "
+                     f"per-round ratios, in brackets their interquartile range, 'unreliable' when that range is wider "
+                     f"than {100 * cost['max_relative_iqr']:.0f}% of the median (a busy machine: re-measure); "
+                     f"device {cost['device']}, timed by {cost['clock']}. ")
     else:
-        cost_text = "cost vs plain: not measured (--cost-steps 0). "
-    lines += ["± is the seed spread: half the range of the per-seed values (with 2 seeds, mean ± spread is "
-              "exactly the interval between them). Final train loss: mean over the last 10% of steps. Final "
-              f"val loss: the last validation (every {min(cfg.eval_every, cfg.steps)} steps, {cfg.val_batches} "
-              f"batches). {cost_text}tokens/s: each run's own training throughput, validation excluded, measured "
-              "run after run: on a shared machine it is noise, read the cost column instead.", ""]
-    lines += ["| method | final val loss | final train loss | cost vs plain | tokens/s | stream RMS last/first "
-              "| max activation ratio | params added | merges |",
-              "|---|---|---|---|---|---|---|---|---|"]
+        cost_text = "Cost vs plain: not measured (cost_rounds 0, or a shard that does not measure it). "
+    lines += [f"± is the seed spread: half the range of the per-seed values. Start vs plain: relative difference of "
+              f"the outputs / of the gradient norm to plain's at init, on the first validation batch; ⚠ marks a rule "
+              f"whose docs call it identity at init but that starts more than {IDENTITY_TOLERANCE:g} away. "
+              f"{cost_text}Train loss: mean over the last 10% of steps.", ""]
+    table = [f"| method | {monitor} | vs plain, paired by seed | start vs plain (output / grad) | cost vs plain "
+             f"| train loss | stream RMS last/first | params added | merges |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for m in methods:
+        if m not in per:
+            continue
         p = per[m]
-        ratio = p["cost_vs_plain"]
-        lines.append(
-            f"| {m} | {_fmt(p['final_val_loss'])} | {_fmt(p['final_train_loss'])} | "
-            f"{f'{ratio:.2f}x' if math.isfinite(ratio) else 'not measured'} | "
-            f"{_fmt(p['tokens_per_s'], 0)} | "
-            f"{p['stream_rms_last_over_first']:.3g} | {p['max_activation_ratio']:.3g} | "
-            f"{p['params_added']:,} | {p['sites']} |")
+        pair = p["paired"]
+        if m == PLAIN:
+            vs = "—"
+        elif pair is None or not pair["n"]:
+            vs = "plain not run"
+        else:
+            vs = f"{pair['mean']:+.4f}, better in {pair['better']}/{pair['n']}"
+            if pair["ci"] is not None:
+                vs += f", 95% CI [{pair['ci'][0]:+.4f}, {pair['ci'][1]:+.4f}]"
+        start = ("—" if m == PLAIN else f"{p['init_output_diff']:.1e} / {p['init_grad_diff']:.1e}"
+                 + (" ⚠" if p["init_flagged"] else ""))
+        growth = p["stream_rms_last_over_first"]
+        table.append(f"| {m} | {_fmt(p['final'])} | {vs} | {start} | {_cost_cell(cost, m)} | "
+                     f"{_fmt(p['final_train_loss'])} | {f'{growth:.3g}' if math.isfinite(growth) else 'n/a'} | "
+                     f"{p['params_added']:,} | {p['sites']} |")
+    table += [f"| {m} | {r['status']}: {r['reason']} | | | | | | | |" for m, r in not_run.items()]
+    lines += table
+    flagged = [m for m in per if per[m]["init_flagged"]]
+    if flagged:
+        lines += [""] + [f"- ⚠ **{m}** starts {per[m]['init_output_diff']:.2g} (outputs) / "
+                         f"{per[m]['init_grad_diff']:.2g} (gradient norm) away from plain although its docs call it "
+                         "identity at init: part of its difference to plain is where it starts, not the rule. (For a "
+                         "pre-norm model, a norm eps near the stream's mean square is the usual cause; see the "
+                         "rule's docs.)" for m in flagged]
+    unreliable = [m for m in per if per[m]["cost"] and not per[m]["cost"]["reliable"]]
+    if unreliable:
+        lines += ["", f"- The cost ratios of {', '.join(unreliable)} are unreliable: their per-round ratios spread "
+                  f"over more than {100 * MAX_RELATIVE_IQR:.0f}% of the median (the machine was busy, or a step is "
+                  "too short to time): do not read them as a cost; re-run on a quiet machine or with more "
+                  "cost_rounds."]
     lines += ["", "## Is the difference to plain larger than the seed spread?", ""]
-    lines += ["A difference is called beyond the seed spread only when the per-seed ranges of the method and "
-              "of plain do not overlap. With a handful of seeds this is a coarse check, not a significance "
-              "test.", ""]
-    if baseline != "plain":
-        lines.append("plain was not among the methods run: no comparison to plain.")
-    elif len(methods) == 1:
+    lines += ["The headline is conservative: beyond the seed spread only when the per-seed ranges of the method and "
+              "of plain do not overlap. The paired figures use the matching (same init and data per seed): per-seed "
+              "differences, how many seeds are better, and with 3 or more seeds a 95% paired t interval of the mean "
+              "difference.", ""]
+    if PLAIN not in per:
+        lines.append("plain was not run: no comparison to plain.")
+    elif len(per) == 1:
         lines.append("Only plain was run: nothing to compare.")
     else:
-        for m in methods:
-            if m == "plain":
+        for m, p in per.items():
+            if m == PLAIN:
                 continue
-            lines.append(f"- **{m}**: " + _verdict(per[m]["final_val_loss"], per["plain"]["final_val_loss"],
-                                                    "validation loss"))
-            lines.append("  " + _verdict(per[m]["final_train_loss"], per["plain"]["final_train_loss"],
-                                         "Training loss"))
-            if cost is not None and m in cost.get("ratios", {}):
-                r = cost["ratios"][m]
-                lines.append(f"  Cost: a training step takes {per[m]['cost_vs_plain']:.2f}x plain's (median; "
-                             f"per-round ratios {min(r):.2f}-{max(r):.2f}x).")
-    lines += ["", "Per-seed values:", "", "| method | seed | final val loss | final train loss | tokens/s |",
-              "|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['method']} | {r['seed']} | {r['final_val_loss']:.4f} | {r['final_train_loss']:.4f} | "
-                     f"{r['tokens_per_s']:.0f} |")
+            lines.append(f"- **{m}**: " + verdict(p["final"], per[PLAIN]["final"], p["paired"], monitor, mode))
+    lines += ["", "Per-seed values:", "", f"| method | seed | {monitor} | train loss | steps | resumed |",
+              "|---|---|---|---|---|---|"]
+    for m in methods:
+        for r in runs_by_method.get(m, []):
+            lines.append(f"| {m} | {r['seed']} | {r['final']:.4f} | {r['final_train_loss']:.4f} | {r['steps']} | "
+                         f"{'yes' if r.get('resumed') else 'no'} |")
     lines += ["", "Stream RMS last/first: RMS of the stream entering the last merge over that entering the first "
-              "(ResidualControlCallback's `stream_rms`, last logged step, mean over seeds). Max activation ratio: "
-              "the largest max|x| / median|x| of the stream over depths. For multi-stream rules (MGR) the stream is "
-              "what the model's own code sees between merges (the pooled view of the n streams; per-stream values "
-              "are in TensorBoard under `resctl/mgr_stream_rms_s<i>`).", ""]
+              "(ResidualControlCallback's `stream_rms`, last logged step, mean over seeds). For multi-stream rules the "
+              "stream is what the model's own code sees between merges (per-stream values are in TensorBoard).", ""]
     if files:
         lines += ["## Plots", "", "Lines: mean over seeds; shaded band: lowest to highest seed. Depth plots mark "
                   "attention merges with circles and MLP merges with squares.", ""]
         lines += [f"![{Path(f).stem}]({Path(f).name})" for f in files.values()] + [""]
-    lines += [f"TensorBoard logs: `tensorboard --logdir {out_dir / 'tb'}`", ""]
+    lines += ["TensorBoard logs: `tensorboard --logdir tb` (in this folder).", ""]
     if total_wall_s is not None:
         lines += [f"Total wall time: {total_wall_s:.0f} s.", ""]
-    summary_md = out_dir / "summary.md"
-    summary_md.write_text("\n".join(lines))
-    files["summary_md"] = str(summary_md)
-    summary = {"config": asdict(cfg), "methods": per, "cost": cost, "runs": [
-        {k: v for k, v in r.items() if k not in ("train_curve",)} for r in results],
-        "files": files, "total_wall_s": total_wall_s if total_wall_s is not None else nan}
-    summary_json = out_dir / "summary.json"
-    summary_json.write_text(json.dumps(summary, indent=1, default=str))
-    files["summary_json"] = str(summary_json)
-    return summary
+    markdown = "\n".join(lines)
+    (out_dir / "summary.md").write_text(markdown)
+    files["summary_md"] = str(out_dir / "summary.md")
+    summary = {"fingerprint": manifest["fingerprint"], "identity": ident, "about": about, "monitor": monitor,
+               "mode": mode, "methods": per, "not_run": not_run, "missing": missing, "cost": cost,
+               "runs": [{k: v for k, v in r.items() if k != "train_curve"} for r in records],
+               "files": files, "total_wall_s": total_wall_s}
+    (out_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=1, default=str))
+    files["summary_json"] = str(out_dir / "summary.json")
+    return SummaryTable(rows, "\n".join(table), summary, out_dir)

@@ -10,6 +10,7 @@ from .base import MergeRule
 class AddRule(MergeRule):
     description = "plain addition stream + update (the control: bitwise the unpatched model)"
     merges_in_place = True
+    identity_at_init = True
 
     def merge(self, module, stream, update, inplace):
         if inplace == "stream":

@@ -210,6 +210,7 @@ class BlockAttnResConfig:
 class AttnResRule(ChainRule):
     Config = AttnResConfig
     description = "Full Attention Residuals: each sub-layer reads a softmax-weighted mix of all earlier updates"
+    identity_at_init = True  # pre-norm models, up to the norms' eps (docs/rules/attnres.md); Block AttnRes too
     chain_attr = "_resctl_attnres"
 
     def validate(self, config):

@@ -78,6 +78,9 @@ class MergeRule:
     Config: ClassVar[type] = NoOptions
     description: ClassVar[str] = ""
     kind: ClassVar[str] = "merge"
+    #: Whether the rule's docs call it identity (the unpatched model) at init: True, False, or the options under
+    #: which it is, e.g. ``{"init": "residual"}``; the compare job flags a rule that claims it but starts away from plain.
+    identity_at_init: ClassVar[bool | dict] = False
     #: False when the rule cannot run inside activation checkpointing (a recomputed block would replay its merges).
     supports_checkpointing: ClassVar[bool] = True
     #: Options that choose how the math runs, not what it computes: recorded with a checkpoint, but a checkpoint

@@ -193,6 +193,7 @@ class HCConfig:
 class HCRule(FrameRule):
     Config = HCConfig
     description = "Hyper-Connections (dynamic): n streams, per-layer pre/res/post from a tanh projection, identity init"
+    identity_at_init = True
     chain_attr = "_resctl_hc"
     stats_prefix = "hc"
 
@@ -229,6 +230,7 @@ class MHCConfig:
 class MHCRule(FrameRule):
     Config = MHCConfig
     description = "Manifold-Constrained Hyper-Connections: sigmoid pre/post, Sinkhorn doubly-stochastic res"
+    identity_at_init = {"init": "residual"}
     chain_attr = "_resctl_mhc"
     stats_prefix = "mhc"
 

@@ -115,6 +115,7 @@ class MHCLiteConfig:
 class MHCLiteRule(FrameRule):
     Config = MHCLiteConfig
     description = "mHC-lite: mHC with res an exact convex combination of the n! permutation matrices"
+    identity_at_init = {"init": "residual"}
     chain_attr = "_resctl_mhcl"
     stats_prefix = "mhcl"
     max_streams = MAX_STREAMS

@@ -1,0 +1,114 @@
+"""A user's own LightningModule and LightningDataModule (not the built-in GPT) for the compare job's tests.
+
+``ToyLM``: a small pre-norm residual language model with dropout (so matching and resume must get the RNG
+right); it logs ``val_loss`` and returns its loss. ``ToyData``: a fixed token corpus (a deterministic mix of
+repeating patterns, so the loss falls), a shuffled training loader (``shuffle=True``: the order follows the global
+seed) and a plain validation loader. ``KillOnce``: a callback that kills the process with SIGKILL at a given
+step of a given run of the process, once (a marker file remembers it), to test ``--resume``. ``BatchLog``: appends
+every training batch's fingerprint to a file, one line per step (run index in the process, step, digest).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class ToyLM(L.LightningModule):
+    def __init__(self, vocab: int = 24, dim: int = 16, depth: int = 3, dropout: float = 0.1, lr: float = 0.01,
+                 seq: int = 12):
+        super().__init__()
+        self.save_hyperparameters()
+        self.emb = nn.Embedding(vocab, dim)
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(depth))
+        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Dropout(dropout),
+                                                nn.Linear(2 * dim, dim)) for _ in range(depth))
+        self.head = nn.Linear(dim, vocab)
+        self.example_input_array = torch.zeros(2, seq, dtype=torch.long)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for norm, mlp in zip(self.norms, self.mlps):
+            x = x + mlp(norm(x))
+        return self.head(x)
+
+    def _loss(self, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("val_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class ToyData(L.LightningDataModule):
+    def __init__(self, vocab: int = 24, seq: int = 12, train_size: int = 96, val_size: int = 16, batch_size: int = 8):
+        super().__init__()
+        self.save_hyperparameters()
+
+    def setup(self, stage):
+        hp = self.hparams
+        g = torch.Generator().manual_seed(1234)  # the corpus itself is fixed; only the order follows the seed
+        n = hp.train_size + hp.val_size
+        start = torch.randint(0, hp.vocab, (n, 1), generator=g)
+        step = torch.randint(1, 4, (n, 1), generator=g)
+        tokens = (start + step * torch.arange(hp.seq + 1)) % hp.vocab
+        self.train_set = TensorDataset(tokens[:hp.train_size, :-1], tokens[:hp.train_size, 1:])
+        self.val_set = TensorDataset(tokens[hp.train_size:, :-1], tokens[hp.train_size:, 1:])
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
+
+
+class KillOnce(Callback):
+    """SIGKILL this process when its ``run``-th fit reaches ``step`` and ``marker`` does not exist yet (it is
+    created first)."""
+
+    fits = 0  # fits started in this process
+
+    def __init__(self, step: int, marker: str, run: int = 1):
+        self.step, self.marker, self.run = step, Path(marker), run
+
+    def on_fit_start(self, trainer, pl_module):
+        KillOnce.fits += 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if KillOnce.fits == self.run and trainer.global_step == self.step and not self.marker.exists():
+            self.marker.write_text("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class BatchLog(Callback):
+    """Append ``fit index, step, digest of the batch`` to ``path`` at every training step."""
+
+    fits = 0
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+
+    def on_fit_start(self, trainer, pl_module):
+        BatchLog.fits += 1
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in batch)).hexdigest()[:12]
+        with self.path.open("a") as f:
+            f.write(f"{BatchLog.fits} {trainer.global_step} {digest}\n")
