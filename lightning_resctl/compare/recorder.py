@@ -147,15 +147,15 @@ class RunRecorder(Callback):
         seed: the run's seed (see the module docstring).
         monitor: the metric to record (None: found at the first validation, see :func:`find_monitor`).
         warmup: intervals left out of the timing.
-        keep: callbacks whose public results the checkpoint must carry (``depth_profile``, ``loss_increase``),
-            so that a run resumed after its last logging step still reports them.
+
+    The diagnostics callbacks carry their own results (``depth_profile``, ``loss_increase``) in the checkpoint
+    through their ``state_dict``, so a run resumed after its last logging step still reports them.
     """
 
-    def __init__(self, seed: int, monitor: str | None = None, warmup: int = 3, keep: tuple = ()):
+    def __init__(self, seed: int, monitor: str | None = None, warmup: int = 3):
         self.seed = int(seed)
         self.monitor = monitor
         self.warmup = warmup
-        self.keep = keep
         self.curve: list[tuple[int, float]] = []
         self.train_losses: list[tuple[int, float]] = []
         self.train_time_s = 0.0
@@ -225,14 +225,10 @@ class RunRecorder(Callback):
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        kept = {}
-        for i, cb in enumerate(self.keep):
-            kept[i] = {k: getattr(cb, k) for k in ("depth_profile", "depth_labels", "loss_increase")
-                       if hasattr(cb, k)}
         return {"seed": self.seed, "monitor": self.monitor, "curve": self.curve, "train_losses": self.train_losses,
                 "train_time_s": self.train_time_s, "steps_timed": self.steps_timed, "intervals": self._intervals,
                 "epoch": trainer.current_epoch, "batches": progress.completed,
-                "rng": _rng_state(), "kept": kept}
+                "rng": _rng_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["seed"] != self.seed:
@@ -242,9 +238,6 @@ class RunRecorder(Callback):
         self.train_losses = [tuple(x) for x in state["train_losses"]]
         self.train_time_s, self.steps_timed = state["train_time_s"], state["steps_timed"]
         self._intervals = state["intervals"]
-        for i, values in state.get("kept", {}).items():
-            for k, v in values.items():
-                setattr(self.keep[int(i)], k, v)
         self._resume = {"epoch": state["epoch"], "batches": state["batches"], "rng": state["rng"]}
 
     # ------------------------------------------------------------------ training loss and time

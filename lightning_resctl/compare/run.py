@@ -94,7 +94,7 @@ def train_run(method: str, seed: int, reference: L.LightningModule, datamodule: 
     model = copy.deepcopy(reference)
     params_before = _count_params(model)
     control, ablation = _diagnostics(opts, method)
-    recorder = RunRecorder(seed, opts.monitor, keep=tuple(cb for cb in (control, ablation) if cb is not None))
+    recorder = RunRecorder(seed, opts.monitor)
     kwargs = dict(trainer_kwargs)
     user_callbacks = kwargs.pop("callbacks", None) or []
     user_callbacks = list(user_callbacks) if isinstance(user_callbacks, (list, tuple)) else [user_callbacks]
