@@ -118,6 +118,30 @@ def test_every_imported_package_is_installed_by_the_test_command():
             f"{m} (distribution {', '.join(d)}; in {', '.join(f)})" for m, (d, f) in missing.items())
 
 
+# Requirements of a ``--no-deps`` package that the suite deliberately goes without, with the reason.
+NOT_INSTALLED_ON_PURPOSE: dict[str, str] = {}
+
+
+def _unconditional_requirement_names(distribution: str) -> set[str]:
+    """Names a distribution requires whatever extras it is installed with (version bounds left out: they
+    are why it is installed ``--no-deps``)."""
+    return {canonicalize_name(Requirement(line).name) for line in metadata.requires(distribution) or []
+            if _applies(Requirement(line), set())}
+
+
+def test_a_package_installed_alone_finds_its_own_requirements():
+    """``pip install --no-deps X`` skips X's requirements; X's ``import`` still needs them (litgpt imports
+    psutil), so each must come from the rest of the command under some version."""
+    requirements, extras, alone = _command_requirements(_test_command())
+    provided = _installed_closure([*requirements, Requirement(f"{PROJECT}[{','.join(sorted(extras))}]")]) | alone
+    missing = {dist: sorted(_unconditional_requirement_names(dist) - provided - set(NOT_INSTALLED_ON_PURPOSE))
+               for dist in sorted(alone)}
+    missing = {dist: names for dist, names in missing.items() if names}
+    assert not missing, "installed with --no-deps, but their requirements are not installed by the rest of " \
+        "the README's test command (add them to the `test` extra): " + "; ".join(
+            f"{d} needs {', '.join(n)}" for d, n in missing.items())
+
+
 def test_the_check_sees_a_package_outside_the_extras():
     """The closure is what the command installs, not what this machine happens to have."""
     requirements, extras, alone = _command_requirements(
