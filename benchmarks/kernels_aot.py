@@ -368,10 +368,12 @@ def main(argv=None) -> int:
         aot = {(v, cap): aot_pool.submit(aot_job, v, cap) for v in vs for cap in args.arch}
         if args.no_bytes:
             counted = {}
-        else:
-            with _pool(max(1, args.jobs // 2), interpret=True) as byte_pool:
-                futures = {v: byte_pool.submit(bytes_job, v) for v in vs}
+        else:  # fp16 moves what bf16 moves (same launches, same element size): counted once
+            with _pool(args.jobs, interpret=True) as byte_pool:
+                futures = {v: byte_pool.submit(bytes_job, v) for v in vs
+                           if not (v.dtype == "fp16" and v._replace(dtype="bf16") in vs)}
                 counted = {v: f.result() for v, f in futures.items()}
+            counted.update({v: counted[v._replace(dtype="bf16")] for v in vs if v not in counted})
         compiled = {key: f.result() for key, f in aot.items()}
     rows = []
     header = (f"{'variant':<46} {'arch':<5} {'tile':<20} {'warps':>5} {'regs':>4} {'spill':>5} {'smem':>6} "

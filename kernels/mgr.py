@@ -42,7 +42,7 @@ from torch import Tensor
 from lightning_resctl._triton import interpreter_mode
 
 from .rows import token_stride
-from .tiles import StreamTile, mgr_tile, persistent_programs
+from .tiles import Launch, StreamTile, mgr_tile, persistent_programs
 
 __all__ = ["mgr_step", "mgr_step_backward", "mgr_step_forward_raw", "mgr_step_backward_raw", "Launch",
            "forward_launch", "backward_launch"]
@@ -128,6 +128,16 @@ def _merged(s, u, beta, rows, M_IN: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
+def _single_tile(cols, C, in_valid, out_valid, W, Q, GATED: tl.constexpr, DT: tl.constexpr):
+    """A token in one tile: the column mask, the input and output tile masks, and the parameter vectors w, q
+    (read once per program)."""
+    cmask = cols < C
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(DT)
+    q = tl.load(Q + cols, mask=cmask, other=0.0).to(DT) if GATED else w
+    return cmask, in_valid[:, None] & cmask[None, :], out_valid[:, None] & cmask[None, :], w, q
+
+
+@triton.jit
 def _mgr_fwd_kernel(S, U, W, Q, CB, FB, OUT, H, BETA, A, T, C, s_st, s_sm, u_st, inv_sqrt_c, eps,
                     M_IN: tl.constexpr, M_OUT: tl.constexpr, GATED: tl.constexpr, COMPETITIVE: tl.constexpr,
                     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, SINGLE: tl.constexpr,
@@ -149,11 +159,7 @@ def _mgr_fwd_kernel(S, U, W, Q, CB, FB, OUT, H, BETA, A, T, C, s_st, s_sm, u_st,
         fb = 0.0
     zero64 = pid.to(tl.int64) * 0  # 64-bit token offsets (the loop variable is int32 when compiled)
     if SINGLE:
-        cmask = cols < C
-        imask = in_valid[:, None] & cmask[None, :]
-        omask = out_valid[:, None] & cmask[None, :]
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(DT)
-        q = tl.load(Q + cols, mask=cmask, other=0.0).to(DT) if GATED else w
+        cmask, imask, omask, w, q = _single_tile(cols, C, in_valid, out_valid, W, Q, GATED, DT)
         for t0 in range(pid, T, nprog):
             t = zero64 + t0
             s = tl.load(S + t * s_st + s_rows[:, None] + cols[None, :], mask=imask, other=0.0).to(DT)
@@ -294,6 +300,21 @@ def _bwd_coefficients(a, beta, pp, pw, pd, ss, sq, gd, hd, wd, pl, C, inv_sqrt_c
 
 
 @triton.jit
+def _bwd_tile_loads(s_tok, u_tok, do_tok, dh_tok, W, Q, c, cmask, in_valid, out_valid, GATED: tl.constexpr,
+                    HAS_DOUT: tl.constexpr, HAS_DH: tl.constexpr, DT: tl.constexpr):
+    """Columns ``c`` of one token's backward inputs: s, u, w, q, dS' and dh (what is absent: a placeholder,
+    not read)."""
+    s = tl.load(s_tok[:, None] + c[None, :], mask=in_valid[:, None] & cmask[None, :], other=0.0).to(DT)
+    u = tl.load(u_tok + c, mask=cmask, other=0.0).to(DT)
+    w = tl.load(W + c, mask=cmask, other=0.0).to(DT)
+    q = tl.load(Q + c, mask=cmask, other=0.0).to(DT) if GATED else w
+    g0 = (tl.load(do_tok[:, None] + c[None, :], mask=out_valid[:, None] & cmask[None, :], other=0.0).to(DT)
+          if HAS_DOUT else s)
+    dh = tl.load(dh_tok + c, mask=cmask, other=0.0).to(DT) if HAS_DH else u
+    return s, u, w, q, g0, dh
+
+
+@triton.jit
 def _mgr_bwd_kernel(S, U, BETA, A, W, Q, DOUT, DH, DS, DU, DQP, DWP, DCP, DFP, T, C,
                     s_st, s_sm, u_st, do_st, do_sm, dh_st, inv_sqrt_c, eps,
                     M_IN: tl.constexpr, M_OUT: tl.constexpr, GATED: tl.constexpr, COMPETITIVE: tl.constexpr,
@@ -314,11 +335,7 @@ def _mgr_bwd_kernel(S, U, BETA, A, W, Q, DOUT, DH, DS, DU, DQP, DWP, DCP, DFP, T
     p64 = pid.to(tl.int64)
     zero64 = p64 * 0  # 64-bit token offsets (the loop variable is int32 when compiled)
     if SINGLE:
-        cmask = cols < C
-        imask = in_valid[:, None] & cmask[None, :]
-        omask = out_valid[:, None] & cmask[None, :]
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(DT)
-        q = tl.load(Q + cols, mask=cmask, other=0.0).to(DT) if GATED else w
+        cmask, imask, omask, w, q = _single_tile(cols, C, in_valid, out_valid, W, Q, GATED, DT)
         dw_acc = tl.zeros([BLOCK_C], dtype=DT)
         dq_acc = tl.zeros([BLOCK_C], dtype=DT)
         for t0 in range(pid, T, nprog):
@@ -368,13 +385,8 @@ def _mgr_bwd_kernel(S, U, BETA, A, W, Q, DOUT, DH, DS, DU, DQP, DWP, DCP, DFP, T
             for c0 in range(0, C, BLOCK_C):
                 c = c0 + cols
                 cmask = c < C
-                s = tl.load(s_tok[:, None] + c[None, :], mask=in_valid[:, None] & cmask[None, :], other=0.0).to(DT)
-                u = tl.load(u_tok + c, mask=cmask, other=0.0).to(DT)
-                w = tl.load(W + c, mask=cmask, other=0.0).to(DT)
-                q = tl.load(Q + c, mask=cmask, other=0.0).to(DT) if GATED else w
-                g0 = (tl.load(do_tok[:, None] + c[None, :], mask=out_valid[:, None] & cmask[None, :],
-                              other=0.0).to(DT) if HAS_DOUT else s)
-                dh = tl.load(dh_tok + c, mask=cmask, other=0.0).to(DT) if HAS_DH else u
+                s, u, w, q, g0, dh = _bwd_tile_loads(s_tok, u_tok, do_tok, dh_tok, W, Q, c, cmask, in_valid,
+                                                     out_valid, GATED, HAS_DOUT, HAS_DH, DT)
                 pp_, pw_, pd_, ss_, sq_, gd_, hd_, wd_, pl_ = _bwd_tile_sums(s, u, g0, dh, w, q, beta, rows, M_IN,
                                                                              GATED, HAS_DOUT, HAS_DH, ROUND, ty)
                 pp += pp_
@@ -394,13 +406,8 @@ def _mgr_bwd_kernel(S, U, BETA, A, W, Q, DOUT, DH, DS, DU, DQP, DWP, DCP, DFP, T
             for c0 in range(0, C, BLOCK_C):
                 c = c0 + cols
                 cmask = c < C
-                s = tl.load(s_tok[:, None] + c[None, :], mask=in_valid[:, None] & cmask[None, :], other=0.0).to(DT)
-                u = tl.load(u_tok + c, mask=cmask, other=0.0).to(DT)
-                w = tl.load(W + c, mask=cmask, other=0.0).to(DT)
-                q = tl.load(Q + c, mask=cmask, other=0.0).to(DT) if GATED else w
-                g0 = (tl.load(do_tok[:, None] + c[None, :], mask=out_valid[:, None] & cmask[None, :],
-                              other=0.0).to(DT) if HAS_DOUT else s)
-                dh = tl.load(dh_tok + c, mask=cmask, other=0.0).to(DT) if HAS_DH else u
+                s, u, w, q, g0, dh = _bwd_tile_loads(s_tok, u_tok, do_tok, dh_tok, W, Q, c, cmask, in_valid,
+                                                     out_valid, GATED, HAS_DOUT, HAS_DH, DT)
                 ds, du, dw, dq = _bwd_tile_grads(s, u, g0, dh, w, q, beta, a, coef, k, cz, kq, rows, M_IN, GATED,
                                                  HAS_DOUT, HAS_DH, ROUND, ty)
                 tl.store(DS + t * M_IN * C + ds_rows[:, None] + c[None, :], ds.to(ty),
@@ -421,17 +428,6 @@ def _mgr_bwd_kernel(S, U, BETA, A, W, Q, DOUT, DH, DS, DU, DQP, DWP, DCP, DFP, T
 # ----------------------------------------------------------------------------------------------
 # launch code: what runs, as data (benchmarks/kernels_aot.py compiles exactly these launches ahead of time)
 # ----------------------------------------------------------------------------------------------
-class Launch(NamedTuple):
-    """One kernel launch: ``kernel[grid](*args, **meta)``."""
-    kernel: object
-    grid: tuple
-    args: tuple
-    meta: dict
-
-    def run(self) -> None:
-        self.kernel[self.grid](*self.args, **self.meta)
-
-
 def _compute_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 

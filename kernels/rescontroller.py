@@ -32,8 +32,6 @@ autograd formula, so ``torch.compile(fullgraph=True)`` sees one opaque op per di
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -42,7 +40,7 @@ from torch import Tensor
 from lightning_resctl._triton import interpreter_mode
 
 from .rows import row_grid
-from .tiles import RowTile, rescontroller_tile
+from .tiles import Launch, RowTile, rescontroller_tile
 
 __all__ = ["rescontroller_fwd", "rescontroller_bwd", "Launch", "forward_launch", "backward_launch"]
 
@@ -141,6 +139,13 @@ def _cast_options(n_cols, ur, sr, ku, ks, eps, CDT: tl.constexpr):
 
 
 @triton.jit
+def _program_rows(n_rows, ROWS: tl.constexpr):
+    """This program's rows (int64), which of them exist, and its batch index (int64)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    return rows.to(tl.int64), rows < n_rows, tl.program_id(1).to(tl.int64)
+
+
+@triton.jit
 def _row_starts(ptr, stride_outer, stride_inner, rows, outer):
     """Pointers to the first element of ``rows`` (int64) in batch ``outer`` (int64) of a strided tensor."""
     return ptr + outer * stride_outer + rows * stride_inner
@@ -172,43 +177,41 @@ def _max_abs(r, u):
 
 
 @triton.jit
-def _row_sums(r_rows, u_rows, g_rows, rsc, usc, gsc, rmask, n_cols, cols,
-              CDT: tl.constexpr, BLOCK: tl.constexpr, THRESHOLD: tl.constexpr, WITH_G: tl.constexpr):
-    """Long rows: 1/k and the moments of r/k, u/k (and Σ g·u/k), read in column blocks with one accumulator
-    per row and sum; the blocks are read once more, scaled, only when a row's max-abs reaches THRESHOLD."""
-    one = tl.full(rmask.shape, 1.0, CDT)
-    srr = one * 0.0
-    suu = one * 0.0
-    sru = one * 0.0
-    sgu = one * 0.0
-    mx = one * 0.0
+def _blocked_moments(r_rows, u_rows, g_rows, rsc, usc, gsc, rmask, n_cols, cols, inv_k,
+                     CDT: tl.constexpr, BLOCK: tl.constexpr, WITH_G: tl.constexpr):
+    """Long rows read in column blocks: the moments of r·inv_k, u·inv_k (and Σ g·u·inv_k), one accumulator per
+    row and sum, and the rows' max-abs."""
+    srr = inv_k * 0.0
+    suu = srr
+    sru = srr
+    sgu = srr
+    mx = srr
     for start in range(0, n_cols, BLOCK):
         mask = rmask[:, None] & (start + cols < n_cols)[None, :]
         r = _load(r_rows, start + cols, rsc, mask, CDT)
         u = _load(u_rows, start + cols, usc, mask, CDT)
         g = _load(g_rows, start + cols, gsc, mask, CDT) if WITH_G else r
-        a, b, c, d = _moments(r, u, g, one, WITH_G)
+        a, b, c, d = _moments(r, u, g, inv_k, WITH_G)
         srr += a
         suu += b
         sru += c
         sgu += d
         mx = tl.maximum(mx, _max_abs(r, u))
+    return srr, suu, sru, sgu, mx
+
+
+@triton.jit
+def _row_sums(r_rows, u_rows, g_rows, rsc, usc, gsc, rmask, n_cols, cols,
+              CDT: tl.constexpr, BLOCK: tl.constexpr, THRESHOLD: tl.constexpr, WITH_G: tl.constexpr):
+    """Long rows: 1/k and the moments of r/k, u/k (and Σ g·u/k); the blocks are read once more, scaled, only
+    when a row's max-abs reaches THRESHOLD."""
+    one = tl.full(rmask.shape, 1.0, CDT)
+    srr, suu, sru, sgu, mx = _blocked_moments(r_rows, u_rows, g_rows, rsc, usc, gsc, rmask, n_cols, cols, one,
+                                              CDT, BLOCK, WITH_G)
     inv_k = _inv_scale(mx, THRESHOLD)
     if tl.min(inv_k, axis=0) < 1.0:
-        srr = one * 0.0
-        suu = one * 0.0
-        sru = one * 0.0
-        sgu = one * 0.0
-        for start in range(0, n_cols, BLOCK):
-            mask = rmask[:, None] & (start + cols < n_cols)[None, :]
-            r = _load(r_rows, start + cols, rsc, mask, CDT)
-            u = _load(u_rows, start + cols, usc, mask, CDT)
-            g = _load(g_rows, start + cols, gsc, mask, CDT) if WITH_G else r
-            a, b, c, d = _moments(r, u, g, inv_k, WITH_G)
-            srr += a
-            suu += b
-            sru += c
-            sgu += d
+        srr, suu, sru, sgu, mx = _blocked_moments(r_rows, u_rows, g_rows, rsc, usc, gsc, rmask, n_cols, cols,
+                                                  inv_k, CDT, BLOCK, WITH_G)
     return inv_k, srr, suu, sru, sgu
 
 
@@ -227,10 +230,7 @@ def _fwd_kernel(
     ur, sr, ku, ks, eps,
     CDT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr, THRESHOLD: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    rmask = rows < n_rows
-    rows = rows.to(tl.int64)
-    outer = tl.program_id(1).to(tl.int64)
+    rows, rmask, outer = _program_rows(n_rows, ROWS)
     r_rows = _row_starts(r_ptr, r_so, r_si, rows, outer)
     u_rows = _row_starts(u_ptr, u_so, u_si, rows, outer)
     o_rows = _row_starts(out_ptr, o_so, o_si, rows, outer)
@@ -262,10 +262,7 @@ def _bwd_kernel(
     ur, sr, ku, ks, eps,
     CDT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr, THRESHOLD: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    rmask = rows < n_rows
-    rows = rows.to(tl.int64)
-    outer = tl.program_id(1).to(tl.int64)
+    rows, rmask, outer = _program_rows(n_rows, ROWS)
     g_rows = _row_starts(g_ptr, g_so, g_si, rows, outer)
     r_rows = _row_starts(r_ptr, r_so, r_si, rows, outer)
     u_rows = _row_starts(u_ptr, u_so, u_si, rows, outer)
@@ -300,17 +297,6 @@ def _bwd_kernel(
 # ----------------------------------------------------------------------------------------------
 # launch code: what runs, as data (benchmarks/kernels_aot.py compiles exactly these launches ahead of time)
 # ----------------------------------------------------------------------------------------------
-class Launch(NamedTuple):
-    """One kernel launch: ``kernel[grid](*args, **meta)``."""
-    kernel: object
-    grid: tuple
-    args: tuple
-    meta: dict
-
-    def run(self) -> None:
-        self.kernel[self.grid](*self.args, **self.meta)
-
-
 def _compute_dtype(*tensors: Tensor):
     return tl.float64 if any(t.dtype == torch.float64 for t in tensors) else tl.float32
 

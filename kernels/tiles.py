@@ -19,8 +19,20 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 
-__all__ = ["RowTile", "StreamTile", "rescontroller_tile", "mgr_tile", "persistent_programs",
+__all__ = ["Launch", "RowTile", "StreamTile", "rescontroller_tile", "mgr_tile", "persistent_programs",
            "RESCONTROLLER", "MGR"]
+
+
+class Launch(NamedTuple):
+    """One kernel launch, as data (``benchmarks/kernels_aot.py`` compiles exactly these ahead of time):
+    ``kernel[grid](*args, **meta)``."""
+    kernel: object
+    grid: tuple
+    args: tuple
+    meta: dict
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, **self.meta)
 
 
 class RowTile(NamedTuple):
@@ -56,7 +68,7 @@ RESCONTROLLER = {
 #: MGR, per direction and element size (bytes of the streams' dtype), per path (``single``: a token's tile
 #: read once; ``loop``: column tiles): ``single_elems`` largest tile (block_m * block_c) read once,
 #: ``loop_elems`` the column tile's elements; ``*_thread_elems`` elements of the tile per thread; ``*_regs``
-#: registers per thread (lowered to 64 for 32-warp programs).
+#: registers per thread (lowered to 64 for 32-warp programs; a dict: per block_m).
 #: 2-byte streams hold 8 elements of every feature vector (u, q, w: one 128-bit load) per thread, so their
 #: single tiles get fewer warps and a smaller limit than fp32's to stay unspilled.
 MGR = {
@@ -65,9 +77,9 @@ MGR = {
     ("forward", 2): dict(single_elems=8192, single_thread_elems=16, single_regs=128,
                          loop_elems=2048, loop_thread_elems=4, loop_regs=64),
     ("backward", 4): dict(single_elems=4096, single_thread_elems=8, single_regs=128,
-                          loop_elems=1024, loop_thread_elems=4, loop_regs=128),
+                          loop_elems=1024, loop_thread_elems=4, loop_regs={2: 128, 4: 128, 8: 72}),
     ("backward", 2): dict(single_elems=4096, single_thread_elems=8, single_regs=128,
-                          loop_elems=1024, loop_thread_elems=4, loop_regs=128),
+                          loop_elems=1024, loop_thread_elems=4, loop_regs={2: 128, 4: 128, 8: 72}),
 }
 
 MIN_WARPS, MAX_WARPS = 1, 32
@@ -111,7 +123,9 @@ def mgr_tile(n_cols: int, m_out: int, elem_bytes: int, direction: str) -> Stream
     if not single:
         block_c = max(16, cfg["loop_elems"] // block_m)
     warps = _warps(block_m * block_c, cfg[f"{path}_thread_elems"])
-    return StreamTile(block_m, block_c, single, warps, _max_regs(cfg[f"{path}_regs"], warps))
+    regs = cfg[f"{path}_regs"]
+    regs = regs[block_m] if isinstance(regs, dict) else regs
+    return StreamTile(block_m, block_c, single, warps, _max_regs(regs, warps))
 
 
 @functools.lru_cache(maxsize=None)
