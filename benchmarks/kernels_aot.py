@@ -298,20 +298,17 @@ def bytes_job(v: Variant) -> dict:
 # ----------------------------------------------------------------------------------------------
 # driver
 # ----------------------------------------------------------------------------------------------
-def _pool(jobs: int, interpret: bool) -> cf.ProcessPoolExecutor:
-    """Worker processes started fresh with TRITON_INTERPRET set as asked (Triton reads it at import)."""
-    old = os.environ.get("TRITON_INTERPRET")
+def _set_interpret(interpret: bool) -> None:
+    """Worker initializer: Triton's interpreter on or off (read when triton is first imported, which happens
+    after this: the workers import nothing of triton before their first job)."""
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
-    try:
-        pool = cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
-        pool.submit(int, 0).result()  # start the workers while the variable is set
-        return pool
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+
+
+def _pool(jobs: int, interpret: bool) -> cf.ProcessPoolExecutor:
+    """Fresh worker processes with Triton's interpreter on (byte counts) or off (compiles)."""
+    return cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_set_interpret,
+                                  initargs=(interpret,))
 
 
 def cuda_backend_missing() -> Optional[str]:
