@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-command GPU check of lightning_resctl (<= ~8 minutes on one H100/H200-class GPU).
+# One-command GPU check of lightning_resctl (<= ~10 minutes on one H100/H200-class GPU).
 #
 #   bash benchmarks/gpu_check.sh             # run every step, write one markdown report (its path is printed)
 #   bash benchmarks/gpu_check.sh --dry-run   # list the steps, run nothing
@@ -9,23 +9,28 @@
 #                     backward against the torch references, small odd shapes and rows ~1e20:
 #                     pytest -k device_ tests/test_mgr_kernels.py (the normal suite runs the same tests on CPU
 #                     under the Triton interpreter)
-#   2 bench-rescontroller  merge alone: eager / torch.compile / Triton times, bytes moved as % of the measured
+#   2 kernels-aot     the compiler's prediction for the shapes the benchmarks below measure, on this device's
+#                     architecture: registers, spills, shared memory, theoretical occupancy, load width and
+#                     bytes moved per row vs the rule's minimum of every kernel variant the launch table picks
+#                     (benchmarks/kernels_aot.py; CPU only, printed beside the measured bandwidth of steps 3-4)
+#   3 bench-rescontroller  merge alone: eager / torch.compile / Triton times, bytes moved as % of the measured
 #                     device copy bandwidth (goal >= 80 %, and no slower than compile)
-#   3 bench-mgr       MGR step: torch path / compiled / Triton, n in {4, 8}
-#   4 bench-peers     GPT-2-small-sized training step (12 layers, C=768, 12 heads, batch 8 x 1024 tokens, bf16
+#   4 bench-mgr       MGR step: torch path / compiled / Triton, n in {4, 8}
+#   5 bench-peers     GPT-2-small-sized training step (12 layers, C=768, 12 heads, batch 8 x 1024 tokens, bf16
 #                     autocast): every rule and the peers vs plain (goals: rescontroller <= 1.03x, mgr n=4 <= 1.08x)
 # Without CUDA it says so and exits 0. REPORT=path overrides the report path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STEPS=(kernel-tests bench-rescontroller bench-mgr bench-peers)
+STEPS=(kernel-tests kernels-aot bench-rescontroller bench-mgr bench-peers)
 declare -A CMD=(
   [kernel-tests]="env TRITON_INTERPRET=0 LIGHTNING_RESCTL_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider tests/test_mgr_kernels.py -k device_"
+  [kernels-aot]="python benchmarks/kernels_aot.py --arch device --C 768 2048 4096 8192 --dtypes fp32 bf16 --n 4 8"
   [bench-rescontroller]="env TRITON_INTERPRET=0 python benchmarks/bench_rescontroller.py --device cuda --gpt-batch 8"
   [bench-mgr]="env TRITON_INTERPRET=0 python benchmarks/bench_mgr.py --streams 4 8 --dims 768 2048"
   [bench-peers]="env TRITON_INTERPRET=0 python benchmarks/bench_peers.py --device cuda --dtype bf16 --layers 12 --C 768 --heads 12 --T 1024 --batch 8 --vocab 50304 --reps 10 --warmup 2"
 )
-declare -A LIMIT=([kernel-tests]=150 [bench-rescontroller]=90 [bench-mgr]=90 [bench-peers]=150)
+declare -A LIMIT=([kernel-tests]=180 [kernels-aot]=90 [bench-rescontroller]=90 [bench-mgr]=90 [bench-peers]=150)
 
 if [[ "${1:-}" == "--dry-run" ]]; then
   echo "gpu_check steps (dry run, nothing executed):"

@@ -3,19 +3,36 @@
 One step = merge k (gates + lerp for a gated merge, append for an accumulating one) followed by the
 AttnPool of merge k+1. The math (and its torch reference) is in :mod:`lightning_resctl.mgr`.
 
-Forward, per token (one program): reads S (m x C) and u (C) once, writes S' (m' x C), h (C) and the
-fp32 gates beta (m) and pool weights a (m') — ~(n+1)·C reads and (n+1)·C writes.
-Backward, per token: reads S, u, beta, a, dS', dh; writes dS, du; per-program partial sums of the
-parameter gradients (dq, dw, dc, df) are reduced in torch.
+Per token, with m input streams, m' output streams (m' = m gated, m + 1 accumulating) of C features:
+
+* forward: reads S (m x C) and u (C); writes S' (m' x C), h (C) and the fp32 gates beta (m) and pool
+  weights a (m'). A gated merge's gates need the row sums Σs², Σs·q; the pool's Σs'², Σs'·w follow from
+  Σs², Σs·u, Σs·w, Σu², Σu·w (``s' = (1 - beta) s + beta u``), so one reduction pass and one write pass
+  suffice.
+* backward: reads S, u, beta, a, dS' (when given) and dh (when given); writes dS, du and per-program partial
+  sums of the parameter gradients (dq, dw, dc, df; reduced in torch). Every per-stream scalar the gradients
+  need (dbeta included, from Σ dS'·(u - s), Σ dh·(u - s), Σ w·(u - s), Σ s'·(u - s)) is a row sum of the
+  inputs, so again one reduction pass and one write pass.
+
+Bytes moved per token: the minimum — (m + 1) C read and (m' + 1) C written forward, (2 m' + 2) C read and
+(m + 1) C written backward (less without dS' or dh), elements of the streams' dtype — when a token's tile
+(``kernels.tiles.MGR[...]["single_elems"]`` elements) is held in registers; larger tokens are read in column
+tiles twice (sums, then outputs), the second read within the same program right after the first (on a GPU
+mostly from L2), and the backward's parameter-gradient partials are read and written once per token and column
+tile. Programs loop over tokens (a grid that fills the GPU), so the parameter vectors q, w are read once per
+program on the single-tile path. Streams, u, dS' and dh are read through their strides (token and stream
+strides; the feature stride must be 1, else they are copied).
+
+With bf16/fp16 streams, the forward's single-tile path pools the stored (rounded) s', like the reference; the
+tiled path pools s' from the moments above (unrounded), a difference of the streams' rounding.
 
 Ops: ``lightning_resctl::mgr_step`` (with ``register_fake`` and ``register_autograd``) and
 ``lightning_resctl::mgr_step_backward`` (with ``register_fake``).
 """
 from __future__ import annotations
 
-import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -24,129 +41,392 @@ from torch import Tensor
 
 from lightning_resctl._triton import interpreter_mode
 
+from .rows import token_stride
+from .tiles import Launch, StreamTile, mgr_tile, persistent_programs
+
+__all__ = ["mgr_step", "mgr_step_backward", "mgr_step_forward_raw", "mgr_step_backward_raw", "Launch",
+           "forward_launch", "backward_launch"]
+
+#: Fewest tokens per backward program: the parameter-gradient partials are (programs x C) and summed in torch.
+MIN_TOKENS_PER_PROGRAM = 8
+
 
 @triton.jit
-def _mgr_fwd_kernel(S, U, W, Q, CB, FB, OUT, H, BETA, A, C, inv_sqrt_c, eps,
-                    M_IN: tl.constexpr, M_OUT: tl.constexpr, GATED: tl.constexpr, COMPETITIVE: tl.constexpr,
-                    ROUND: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, DT: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    in_valid = rows < M_IN
-    out_valid = rows < M_OUT
-    s = tl.load(S + t * M_IN * C + rows[:, None] * C + cols[None, :],
-                mask=in_valid[:, None] & cmask[None, :], other=0.0).to(DT)
-    u = tl.load(U + t * C + cols, mask=cmask, other=0.0).to(DT)
+def _gate_weights(ss, sq, cb, fb, in_valid, C, inv_sqrt_c, eps, COMPETITIVE: tl.constexpr):
+    """beta from per-stream Σs², Σs·q: ``z = q·RMSNorm(s)/sqrt(C) + c``; sigmoid, or softmax beside the forget
+    logit ``fb`` (competitive); 0 for rows past the streams."""
+    r = 1.0 / tl.sqrt(ss / C + eps)
+    z = sq * r * inv_sqrt_c + cb
+    if COMPETITIVE:
+        z = tl.where(in_valid, z, float("-inf"))
+        mx = tl.maximum(tl.max(z, axis=0), fb)
+        e = tl.exp(z - mx)
+        beta = e / (tl.exp(fb - mx) + tl.sum(e, axis=0))
+    else:
+        beta = tl.where(in_valid, 1.0 / (1.0 + tl.exp(-z)), 0.0)
+    return beta
+
+
+@triton.jit
+def _pool_weights(pp, pw, out_valid, C, inv_sqrt_c, eps):
+    """a = softmax over the streams of ``w·RMSNorm(s')/sqrt(C)`` from per-stream Σs'², Σs'·w."""
+    r2 = 1.0 / tl.sqrt(pp / C + eps)
+    y = tl.where(out_valid, pw * r2 * inv_sqrt_c, float("-inf"))
+    ey = tl.exp(y - tl.max(y, axis=0))
+    return ey / tl.sum(ey, axis=0)
+
+
+@triton.jit
+def _lerp_pool_moments(beta, ss, su, sw, uu, uw):
+    """Σs'², Σs'·w of ``s' = (1 - beta) s + beta u`` from Σs², Σs·u, Σs·w (per stream) and Σu², Σu·w."""
+    keep = 1.0 - beta
+    pp = keep * keep * ss + 2.0 * beta * keep * su + beta * beta * uu
+    return tl.where(pp > 0.0, pp, 0.0), keep * sw + beta * uw
+
+
+@triton.jit
+def _pool_backward(a, pp, pw, pd, C, inv_sqrt_c, eps):
+    """(coef, k) of the pool's gradient ``dS' += a dh + coef w - k s'`` from per-stream Σs'², Σs'·w, Σs'·dh."""
+    dy = a * (pd - tl.sum(a * pd, axis=0))
+    r2 = 1.0 / tl.sqrt(pp / C + eps)
+    coef = dy * r2 * inv_sqrt_c
+    return coef, coef * pw * r2 * r2 / C
+
+
+@triton.jit
+def _gate_backward(beta, dbeta, ss, sq, C, inv_sqrt_c, eps, COMPETITIVE: tl.constexpr):
+    """(dz, df, cz, kq) of the gates' gradient ``dS = (1 - beta) g + cz q - kq s`` from dbeta = Σ g·(u - s)
+    and per-stream Σs², Σs·q; df is the forget logit's gradient (competitive; 0 else)."""
+    if COMPETITIVE:
+        sb = tl.sum(beta * dbeta, axis=0)
+        dz = beta * (dbeta - sb)
+        df = -(1.0 - tl.sum(beta, axis=0)) * sb
+    else:
+        dz = dbeta * beta * (1.0 - beta)
+        df = tl.sum(dz * 0.0, axis=0)
+    r = 1.0 / tl.sqrt(ss / C + eps)
+    cz = dz * r * inv_sqrt_c
+    return dz, df, cz, cz * sq * r * r / C
+
+
+@triton.jit
+def _round(x, ty, ROUND: tl.constexpr):
+    """x as stored in dtype ``ty`` (the streams' rounding) when ROUND."""
+    if ROUND:
+        x = x.to(ty).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _merged(s, u, beta, rows, M_IN: tl.constexpr, GATED: tl.constexpr):
+    """The merge's output tile s': lerp toward u (gated), or u appended as stream M_IN (accumulating)."""
     if GATED:
-        q = tl.load(Q + cols, mask=cmask, other=0.0).to(DT)
-        r = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / C + eps)
-        z = tl.sum(s * q[None, :], axis=1) * r * inv_sqrt_c + tl.load(CB + rows, mask=in_valid, other=0.0).to(DT)
-        if COMPETITIVE:
-            f = tl.load(FB).to(DT)
-            z = tl.where(in_valid, z, float("-inf"))
-            mx = tl.maximum(tl.max(z, axis=0), f)
-            e = tl.exp(z - mx)
-            beta = e / (tl.exp(f - mx) + tl.sum(e, axis=0))
-        else:
-            beta = tl.where(in_valid, 1.0 / (1.0 + tl.exp(-z)), 0.0)
-        tl.store(BETA + t * M_IN + rows, beta, mask=in_valid)
         sp = s + beta[:, None] * (u[None, :] - s)
     else:
         sp = tl.where((rows == M_IN)[:, None], u[None, :], s)
-    omask = out_valid[:, None] & cmask[None, :]
-    tl.store(OUT + t * M_OUT * C + rows[:, None] * C + cols[None, :], sp.to(OUT.dtype.element_ty), mask=omask)
-    if ROUND:
-        sp = sp.to(OUT.dtype.element_ty).to(DT)
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(DT)
-    r2 = 1.0 / tl.sqrt(tl.sum(sp * sp, axis=1) / C + eps)
-    y = tl.where(out_valid, tl.sum(sp * w[None, :], axis=1) * r2 * inv_sqrt_c, float("-inf"))
-    ey = tl.exp(y - tl.max(y, axis=0))
-    a = ey / tl.sum(ey, axis=0)
-    tl.store(A + t * M_OUT + rows, a, mask=out_valid)
-    h = tl.sum(a[:, None] * sp, axis=0)
-    tl.store(H + t * C + cols, h.to(H.dtype.element_ty), mask=cmask)
+    return sp
 
 
 @triton.jit
-def _mgr_bwd_kernel(S, U, BETA, A, W, Q, DOUT, DH, DS, DU, DQP, DWP, DCP, DFP, T, C, inv_sqrt_c, eps,
+def _single_tile(cols, C, in_valid, out_valid, W, Q, GATED: tl.constexpr, DT: tl.constexpr):
+    """A token in one tile: the column mask, the input and output tile masks, and the parameter vectors w, q
+    (read once per program)."""
+    cmask = cols < C
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(DT)
+    q = tl.load(Q + cols, mask=cmask, other=0.0).to(DT) if GATED else w
+    return cmask, in_valid[:, None] & cmask[None, :], out_valid[:, None] & cmask[None, :], w, q
+
+
+@triton.jit
+def _mgr_fwd_kernel(S, U, W, Q, CB, FB, OUT, H, BETA, A, T, C, s_st, s_sm, u_st, inv_sqrt_c, eps,
                     M_IN: tl.constexpr, M_OUT: tl.constexpr, GATED: tl.constexpr, COMPETITIVE: tl.constexpr,
-                    ROUND: tl.constexpr,
-                    HAS_DOUT: tl.constexpr, HAS_DH: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, DT: tl.constexpr):
+                    ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, SINGLE: tl.constexpr,
+                    DT: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_C)
-    cmask = cols < C
     in_valid = rows < M_IN
     out_valid = rows < M_OUT
-    imask = in_valid[:, None] & cmask[None, :]
-    omask = out_valid[:, None] & cmask[None, :]
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(DT)
-    dw_acc = tl.zeros([BLOCK_C], dtype=DT)
-    dq_acc = tl.zeros([BLOCK_C], dtype=DT)
+    s_rows = rows.to(tl.int64) * s_sm
+    o_rows = rows.to(tl.int64) * C
+    ty = OUT.dtype.element_ty
+    if GATED:
+        cb = tl.load(CB + rows, mask=in_valid, other=0.0).to(DT)
+        fb = tl.load(FB).to(DT) if COMPETITIVE else 0.0
+    else:
+        cb = tl.zeros([BLOCK_M], dtype=DT)
+        fb = 0.0
+    zero64 = pid.to(tl.int64) * 0  # 64-bit token offsets (the loop variable is int32 when compiled)
+    if SINGLE:
+        cmask, imask, omask, w, q = _single_tile(cols, C, in_valid, out_valid, W, Q, GATED, DT)
+        for t0 in range(pid, T, nprog):
+            t = zero64 + t0
+            s = tl.load(S + t * s_st + s_rows[:, None] + cols[None, :], mask=imask, other=0.0).to(DT)
+            u = tl.load(U + t * u_st + cols, mask=cmask, other=0.0).to(DT)
+            beta = cb * 0.0
+            if GATED:
+                beta = _gate_weights(tl.sum(s * s, axis=1), tl.sum(s * q[None, :], axis=1), cb, fb, in_valid, C,
+                                     inv_sqrt_c, eps, COMPETITIVE)
+                tl.store(BETA + t * M_IN + rows, beta, mask=in_valid)
+            sp = _merged(s, u, beta, rows, M_IN, GATED)
+            tl.store(OUT + t * M_OUT * C + o_rows[:, None] + cols[None, :], sp.to(ty), mask=omask)
+            sp = _round(sp, ty, ROUND)
+            a = _pool_weights(tl.sum(sp * sp, axis=1), tl.sum(sp * w[None, :], axis=1), out_valid, C, inv_sqrt_c,
+                              eps)
+            tl.store(A + t * M_OUT + rows, a, mask=out_valid)
+            tl.store(H + t * C + cols, tl.sum(a[:, None] * sp, axis=0).to(ty), mask=cmask)
+    else:
+        for t0 in range(pid, T, nprog):
+            t = zero64 + t0
+            s_tok = S + t * s_st + s_rows
+            u_tok = U + t * u_st
+            # pass 1: row sums over column tiles
+            acc_a = cb * 0.0  # gated: Σs², accumulating: Σs'²
+            acc_b = cb * 0.0  # gated: Σs·w, accumulating: Σs'·w
+            acc_q = cb * 0.0  # Σs·q
+            acc_u = cb * 0.0  # Σs·u
+            uu = tl.sum(acc_a * 0.0, axis=0)
+            uw = tl.sum(acc_a * 0.0, axis=0)
+            for c0 in range(0, C, BLOCK_C):
+                cmask = c0 + cols < C
+                s = tl.load(s_tok[:, None] + (c0 + cols)[None, :], mask=in_valid[:, None] & cmask[None, :],
+                            other=0.0).to(DT)
+                u = tl.load(u_tok + c0 + cols, mask=cmask, other=0.0).to(DT)
+                w = tl.load(W + c0 + cols, mask=cmask, other=0.0).to(DT)
+                if GATED:
+                    q = tl.load(Q + c0 + cols, mask=cmask, other=0.0).to(DT)
+                    acc_a += tl.sum(s * s, axis=1)
+                    acc_b += tl.sum(s * w[None, :], axis=1)
+                    acc_q += tl.sum(s * q[None, :], axis=1)
+                    acc_u += tl.sum(s * u[None, :], axis=1)
+                    uu += tl.sum(u * u, axis=0)
+                    uw += tl.sum(u * w, axis=0)
+                else:
+                    sp = _merged(s, u, cb, rows, M_IN, GATED)
+                    acc_a += tl.sum(sp * sp, axis=1)
+                    acc_b += tl.sum(sp * w[None, :], axis=1)
+            beta = cb * 0.0
+            if GATED:
+                beta = _gate_weights(acc_a, acc_q, cb, fb, in_valid, C, inv_sqrt_c, eps, COMPETITIVE)
+                tl.store(BETA + t * M_IN + rows, beta, mask=in_valid)
+                acc_a, acc_b = _lerp_pool_moments(beta, acc_a, acc_u, acc_b, uu, uw)
+            a = _pool_weights(acc_a, acc_b, out_valid, C, inv_sqrt_c, eps)
+            tl.store(A + t * M_OUT + rows, a, mask=out_valid)
+            # pass 2: outputs over column tiles
+            for c0 in range(0, C, BLOCK_C):
+                cmask = c0 + cols < C
+                s = tl.load(s_tok[:, None] + (c0 + cols)[None, :], mask=in_valid[:, None] & cmask[None, :],
+                            other=0.0).to(DT)
+                u = tl.load(u_tok + c0 + cols, mask=cmask, other=0.0).to(DT)
+                sp = _merged(s, u, beta, rows, M_IN, GATED)
+                tl.store(OUT + t * M_OUT * C + o_rows[:, None] + (c0 + cols)[None, :], sp.to(ty),
+                         mask=out_valid[:, None] & cmask[None, :])
+                sp = _round(sp, ty, ROUND)
+                tl.store(H + t * C + c0 + cols, tl.sum(a[:, None] * sp, axis=0).to(ty), mask=cmask)
+
+
+@triton.jit
+def _bwd_tile_sums(s, u, g0, dh, w, q, beta, rows, M_IN: tl.constexpr, GATED: tl.constexpr,
+                   HAS_DOUT: tl.constexpr, HAS_DH: tl.constexpr, ROUND: tl.constexpr, ty):
+    """Per-stream row sums of one column tile: Σs'², Σs'·w, Σs'·dh (pool, with dh) and Σs², Σs·q,
+    Σ dS'·(u - s), Σ dh·(u - s), Σ w·(u - s), Σ s'·(u - s) (gates)."""
+    zero = tl.sum(s * 0.0, axis=1)
+    pp = zero
+    pw = zero
+    pd = zero
+    ss = zero
+    sq = zero
+    gd = zero
+    hd = zero
+    wd = zero
+    pl = zero
+    sp = _round(_merged(s, u, beta, rows, M_IN, GATED), ty, ROUND)
+    if HAS_DH:
+        pp = tl.sum(sp * sp, axis=1)
+        pw = tl.sum(sp * w[None, :], axis=1)
+        pd = tl.sum(sp * dh[None, :], axis=1)
+    if GATED:
+        ss = tl.sum(s * s, axis=1)
+        sq = tl.sum(s * q[None, :], axis=1)
+        lerp = u[None, :] - s
+        if HAS_DOUT:
+            gd = tl.sum(g0 * lerp, axis=1)
+        if HAS_DH:
+            hd = tl.sum(dh[None, :] * lerp, axis=1)
+            wd = tl.sum(w[None, :] * lerp, axis=1)
+            pl = tl.sum(sp * lerp, axis=1)
+    return pp, pw, pd, ss, sq, gd, hd, wd, pl
+
+
+@triton.jit
+def _bwd_tile_grads(s, u, g0, dh, w, q, beta, a, coef, k, cz, kq, rows, M_IN: tl.constexpr, GATED: tl.constexpr,
+                    HAS_DOUT: tl.constexpr, HAS_DH: tl.constexpr, ROUND: tl.constexpr, ty):
+    """One column tile's (dS, du) and its parameter-gradient terms (Σ_i coef_i s'_i, Σ_i cz_i s_i)."""
+    sp = _round(_merged(s, u, beta, rows, M_IN, GATED), ty, ROUND)
+    g = g0 if HAS_DOUT else s * 0.0
+    dw = tl.sum(sp * 0.0, axis=0)
+    if HAS_DH:
+        g = g + a[:, None] * dh[None, :] + coef[:, None] * w[None, :] - k[:, None] * sp
+        dw = tl.sum(coef[:, None] * sp, axis=0)
+    if GATED:
+        du = tl.sum(beta[:, None] * g, axis=0)
+        ds = (1.0 - beta)[:, None] * g + cz[:, None] * q[None, :] - kq[:, None] * s
+        dq = tl.sum(cz[:, None] * s, axis=0)
+    else:
+        du = tl.sum(tl.where((rows == M_IN)[:, None], g, 0.0), axis=0)
+        ds = g
+        dq = dw
+    return ds, du, dw, dq
+
+
+@triton.jit
+def _bwd_coefficients(a, beta, pp, pw, pd, ss, sq, gd, hd, wd, pl, C, inv_sqrt_c, eps, GATED: tl.constexpr,
+                      COMPETITIVE: tl.constexpr, HAS_DH: tl.constexpr):
+    """The per-stream coefficients of the gradients from the row sums: (coef, k) of the pool, dbeta, and
+    (dz, df, cz, kq) of the gates."""
+    coef = pp * 0.0
+    k = pp * 0.0
+    if HAS_DH:
+        coef, k = _pool_backward(a, pp, pw, pd, C, inv_sqrt_c, eps)
+    dz = pp * 0.0
+    df = tl.sum(dz, axis=0)
+    cz = dz
+    kq = dz
+    if GATED:
+        dbeta = gd + a * hd + coef * wd - k * pl
+        dz, df, cz, kq = _gate_backward(beta, dbeta, ss, sq, C, inv_sqrt_c, eps, COMPETITIVE)
+    return coef, k, dz, df, cz, kq
+
+
+@triton.jit
+def _bwd_tile_loads(s_tok, u_tok, do_tok, dh_tok, W, Q, c, cmask, in_valid, out_valid, GATED: tl.constexpr,
+                    HAS_DOUT: tl.constexpr, HAS_DH: tl.constexpr, DT: tl.constexpr):
+    """Columns ``c`` of one token's backward inputs: s, u, w, q, dS' and dh (what is absent: a placeholder,
+    not read)."""
+    s = tl.load(s_tok[:, None] + c[None, :], mask=in_valid[:, None] & cmask[None, :], other=0.0).to(DT)
+    u = tl.load(u_tok + c, mask=cmask, other=0.0).to(DT)
+    w = tl.load(W + c, mask=cmask, other=0.0).to(DT)
+    q = tl.load(Q + c, mask=cmask, other=0.0).to(DT) if GATED else w
+    g0 = (tl.load(do_tok[:, None] + c[None, :], mask=out_valid[:, None] & cmask[None, :], other=0.0).to(DT)
+          if HAS_DOUT else s)
+    dh = tl.load(dh_tok + c, mask=cmask, other=0.0).to(DT) if HAS_DH else u
+    return s, u, w, q, g0, dh
+
+
+@triton.jit
+def _mgr_bwd_kernel(S, U, BETA, A, W, Q, DOUT, DH, DS, DU, DQP, DWP, DCP, DFP, T, C,
+                    s_st, s_sm, u_st, do_st, do_sm, dh_st, inv_sqrt_c, eps,
+                    M_IN: tl.constexpr, M_OUT: tl.constexpr, GATED: tl.constexpr, COMPETITIVE: tl.constexpr,
+                    ROUND: tl.constexpr, HAS_DOUT: tl.constexpr, HAS_DH: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, SINGLE: tl.constexpr, DT: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_C)
+    in_valid = rows < M_IN
+    out_valid = rows < M_OUT
+    s_rows = rows.to(tl.int64) * s_sm
+    do_rows = rows.to(tl.int64) * do_sm
+    ds_rows = rows.to(tl.int64) * C
+    ty = DS.dtype.element_ty
     dc_acc = tl.zeros([BLOCK_M], dtype=DT)
     df_acc = tl.zeros([BLOCK_M], dtype=DT)
-    if GATED:
-        q = tl.load(Q + cols, mask=cmask, other=0.0).to(DT)
-    zero64 = pid.to(tl.int64) * 0  # 64-bit token offsets (the loop variable is int32 when compiled)
-    for t0 in range(pid, T, nprog):
-        t = zero64 + t0
-        s = tl.load(S + t * M_IN * C + rows[:, None] * C + cols[None, :], mask=imask, other=0.0).to(DT)
-        u = tl.load(U + t * C + cols, mask=cmask, other=0.0).to(DT)
-        if GATED:
-            beta = tl.load(BETA + t * M_IN + rows, mask=in_valid, other=0.0).to(DT)
-            sp = s + beta[:, None] * (u[None, :] - s)
-        else:
-            sp = tl.where((rows == M_IN)[:, None], u[None, :], s)
-        if ROUND:
-            sp = sp.to(DS.dtype.element_ty).to(DT)
-        a = tl.load(A + t * M_OUT + rows, mask=out_valid, other=0.0).to(DT)
-        if HAS_DOUT:
-            g = tl.load(DOUT + t * M_OUT * C + rows[:, None] * C + cols[None, :], mask=omask, other=0.0).to(DT)
-        else:
-            g = tl.zeros([BLOCK_M, BLOCK_C], dtype=DT)
-        if HAS_DH:
-            dh = tl.load(DH + t * C + cols, mask=cmask, other=0.0).to(DT)
-            da = tl.sum(sp * dh[None, :], axis=1)
-            dy = a * (da - tl.sum(a * da, axis=0))
-            r2 = 1.0 / tl.sqrt(tl.sum(sp * sp, axis=1) / C + eps)
-            p2 = tl.sum(sp * w[None, :], axis=1)
-            coef = dy * r2 * inv_sqrt_c
-            g = g + a[:, None] * dh[None, :] + coef[:, None] * w[None, :] - (coef * p2 * r2 * r2 / C)[:, None] * sp
-            dw_acc += tl.sum(coef[:, None] * sp, axis=0)
-        if GATED:
-            du = tl.sum(beta[:, None] * g, axis=0)
-            dbeta = tl.sum(g * (u[None, :] - s), axis=1)
-            if COMPETITIVE:
-                sb = tl.sum(beta * dbeta, axis=0)
-                dz = beta * (dbeta - sb)
-                df_acc += tl.where(rows == 0, -(1.0 - tl.sum(beta, axis=0)) * sb, 0.0)
-            else:
-                dz = dbeta * beta * (1.0 - beta)
-            dc_acc += dz
-            r = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / C + eps)
-            pq = tl.sum(s * q[None, :], axis=1)
-            cz = dz * r * inv_sqrt_c
-            ds = (1.0 - beta)[:, None] * g + cz[:, None] * q[None, :] - (cz * pq * r * r / C)[:, None] * s
-            dq_acc += tl.sum(cz[:, None] * s, axis=0)
-        else:
-            ds = g
-            du = tl.sum(tl.where((rows == M_IN)[:, None], g, 0.0), axis=0)
-        tl.store(DS + t * M_IN * C + rows[:, None] * C + cols[None, :], ds.to(DS.dtype.element_ty), mask=imask)
-        tl.store(DU + t * C + cols, du.to(DU.dtype.element_ty), mask=cmask)
     p64 = pid.to(tl.int64)
-    tl.store(DWP + p64 * C + cols, dw_acc, mask=cmask)
+    zero64 = p64 * 0  # 64-bit token offsets (the loop variable is int32 when compiled)
+    if SINGLE:
+        cmask, imask, omask, w, q = _single_tile(cols, C, in_valid, out_valid, W, Q, GATED, DT)
+        dw_acc = tl.zeros([BLOCK_C], dtype=DT)
+        dq_acc = tl.zeros([BLOCK_C], dtype=DT)
+        for t0 in range(pid, T, nprog):
+            t = zero64 + t0
+            s = tl.load(S + t * s_st + s_rows[:, None] + cols[None, :], mask=imask, other=0.0).to(DT)
+            u = tl.load(U + t * u_st + cols, mask=cmask, other=0.0).to(DT)
+            beta = tl.load(BETA + t * M_IN + rows, mask=in_valid, other=0.0).to(DT) if GATED else dc_acc
+            a = tl.load(A + t * M_OUT + rows, mask=out_valid, other=0.0).to(DT)
+            g0 = (tl.load(DOUT + t * do_st + do_rows[:, None] + cols[None, :], mask=omask, other=0.0).to(DT)
+                  if HAS_DOUT else s)
+            dh = tl.load(DH + t * dh_st + cols, mask=cmask, other=0.0).to(DT) if HAS_DH else u
+            pp, pw, pd, ss, sq, gd, hd, wd, pl = _bwd_tile_sums(s, u, g0, dh, w, q, beta, rows, M_IN, GATED,
+                                                                HAS_DOUT, HAS_DH, ROUND, ty)
+            coef, k, dz, df, cz, kq = _bwd_coefficients(a, beta, pp, pw, pd, ss, sq, gd, hd, wd, pl, C, inv_sqrt_c,
+                                                        eps, GATED, COMPETITIVE, HAS_DH)
+            ds, du, dw, dq = _bwd_tile_grads(s, u, g0, dh, w, q, beta, a, coef, k, cz, kq, rows, M_IN, GATED,
+                                             HAS_DOUT, HAS_DH, ROUND, ty)
+            tl.store(DS + t * M_IN * C + ds_rows[:, None] + cols[None, :], ds.to(ty), mask=imask)
+            tl.store(DU + t * C + cols, du.to(ty), mask=cmask)
+            dw_acc += dw
+            dq_acc += dq
+            dc_acc += dz
+            df_acc += tl.where(rows == 0, df, 0.0)
+        if HAS_DH:
+            tl.store(DWP + p64 * C + cols, dw_acc, mask=cmask)
+        if GATED:
+            tl.store(DQP + p64 * C + cols, dq_acc, mask=cmask)
+    else:
+        for t0 in range(pid, T, nprog):
+            t = zero64 + t0
+            s_tok = S + t * s_st + s_rows
+            u_tok = U + t * u_st
+            do_tok = DOUT + t * do_st + do_rows
+            dh_tok = DH + t * dh_st
+            beta = tl.load(BETA + t * M_IN + rows, mask=in_valid, other=0.0).to(DT) if GATED else dc_acc
+            a = tl.load(A + t * M_OUT + rows, mask=out_valid, other=0.0).to(DT)
+            # pass 1: row sums over column tiles
+            pp = a * 0.0
+            pw = a * 0.0
+            pd = a * 0.0
+            ss = a * 0.0
+            sq = a * 0.0
+            gd = a * 0.0
+            hd = a * 0.0
+            wd = a * 0.0
+            pl = a * 0.0
+            for c0 in range(0, C, BLOCK_C):
+                c = c0 + cols
+                cmask = c < C
+                s, u, w, q, g0, dh = _bwd_tile_loads(s_tok, u_tok, do_tok, dh_tok, W, Q, c, cmask, in_valid,
+                                                     out_valid, GATED, HAS_DOUT, HAS_DH, DT)
+                pp_, pw_, pd_, ss_, sq_, gd_, hd_, wd_, pl_ = _bwd_tile_sums(s, u, g0, dh, w, q, beta, rows, M_IN,
+                                                                             GATED, HAS_DOUT, HAS_DH, ROUND, ty)
+                pp += pp_
+                pw += pw_
+                pd += pd_
+                ss += ss_
+                sq += sq_
+                gd += gd_
+                hd += hd_
+                wd += wd_
+                pl += pl_
+            coef, k, dz, df, cz, kq = _bwd_coefficients(a, beta, pp, pw, pd, ss, sq, gd, hd, wd, pl, C, inv_sqrt_c,
+                                                        eps, GATED, COMPETITIVE, HAS_DH)
+            dc_acc += dz
+            df_acc += tl.where(rows == 0, df, 0.0)
+            # pass 2: gradients over column tiles; the program's parameter-gradient rows accumulate in place
+            for c0 in range(0, C, BLOCK_C):
+                c = c0 + cols
+                cmask = c < C
+                s, u, w, q, g0, dh = _bwd_tile_loads(s_tok, u_tok, do_tok, dh_tok, W, Q, c, cmask, in_valid,
+                                                     out_valid, GATED, HAS_DOUT, HAS_DH, DT)
+                ds, du, dw, dq = _bwd_tile_grads(s, u, g0, dh, w, q, beta, a, coef, k, cz, kq, rows, M_IN, GATED,
+                                                 HAS_DOUT, HAS_DH, ROUND, ty)
+                tl.store(DS + t * M_IN * C + ds_rows[:, None] + c[None, :], ds.to(ty),
+                         mask=in_valid[:, None] & cmask[None, :])
+                tl.store(DU + t * C + c, du.to(ty), mask=cmask)
+                keep = cmask & (c * 0 + t > p64)  # the first token of the program starts its rows
+                if HAS_DH:
+                    dw += tl.load(DWP + p64 * C + c, mask=keep, other=0.0)
+                    tl.store(DWP + p64 * C + c, dw, mask=cmask)
+                if GATED:
+                    dq += tl.load(DQP + p64 * C + c, mask=keep, other=0.0)
+                    tl.store(DQP + p64 * C + c, dq, mask=cmask)
     if GATED:
-        tl.store(DQP + p64 * C + cols, dq_acc, mask=cmask)
         tl.store(DCP + p64 * BLOCK_M + rows, dc_acc)
         tl.store(DFP + p64 * BLOCK_M + rows, df_acc)
 
 
 # ----------------------------------------------------------------------------------------------
-# launchers
+# launch code: what runs, as data (benchmarks/kernels_aot.py compiles exactly these launches ahead of time)
 # ----------------------------------------------------------------------------------------------
 def _compute_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -154,19 +434,6 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
 
 def _tl_dtype(dt: torch.dtype):
     return tl.float64 if dt == torch.float64 else tl.float32
-
-
-def _blocks(m_out: int, c: int, backward: bool = False) -> tuple[int, int, int]:
-    """Tile (BLOCK_M streams x BLOCK_C features) and warps; the backward holds ~4 tiles live, so it gets more
-    warps (sm_90: 8x2048 fwd 87 regs/thread at 16 warps; bwd 4x2048 ~128 regs at 16 warps)."""
-    block_m = max(2, triton.next_power_of_2(m_out))
-    block_c = triton.next_power_of_2(c)
-    elems = block_m * block_c
-    if backward:
-        num_warps = 4 if elems <= 1024 else (8 if elems <= 4096 else 16)
-    else:
-        num_warps = 4 if elems <= 2048 else (8 if elems <= 8192 else 16)
-    return block_m, block_c, num_warps
 
 
 def _layout(streams: Tensor, gate_query: Optional[Tensor]):
@@ -177,10 +444,20 @@ def _layout(streams: Tensor, gate_query: Optional[Tensor]):
     return lead, m, c, (m if gated else m + 1), gated, _compute_dtype(streams)
 
 
-def _token_rows(streams: Tensor, u: Tensor) -> tuple[Tensor, Tensor, int]:
-    """Contiguous token-major ``(T, m, C)`` streams, ``(T, C)`` u, and the token count T."""
-    s2 = streams.reshape(-1, *streams.shape[-2:]).contiguous()
-    return s2, u.reshape(-1, u.shape[-1]).contiguous(), s2.shape[0]
+def _token_view(t: Tensor, lead_dims: int) -> tuple[Tensor, int]:
+    """``t`` (copied only when its features are strided or its leading dims have no single token stride) and
+    its token stride."""
+    stride = token_stride(t, lead_dims)
+    if stride is None or (t.shape[-1] > 1 and t.stride(-1) != 1):
+        t = t.contiguous()
+        stride = token_stride(t, lead_dims)
+    return t, stride
+
+
+def _stream_view(t: Tensor, lead_dims: int) -> tuple[Tensor, int, int]:
+    """Streams ``(*lead, m, C)``: the tensor (copied only when it must be), token stride, stream stride."""
+    t, stride = _token_view(t, lead_dims)
+    return t, stride, t.stride(-2)
 
 
 def _check(streams: Tensor, u: Tensor, max_streams: int = 8) -> None:
@@ -194,73 +471,110 @@ def _check(streams: Tensor, u: Tensor, max_streams: int = 8) -> None:
         raise TypeError(f"u dtype {u.dtype} does not match the streams dtype {streams.dtype}")
 
 
+def _meta(tile: StreamTile, m: int, m_out: int, gated: bool, competitive: bool, streams: Tensor, cd) -> dict:
+    return dict(M_IN=m, M_OUT=m_out, GATED=gated, COMPETITIVE=competitive, ROUND=streams.dtype != cd,
+                BLOCK_M=tile.block_m, BLOCK_C=tile.block_c, SINGLE=tile.single, DT=_tl_dtype(cd),
+                num_warps=1 if interpreter_mode() else tile.num_warps, maxnreg=tile.max_regs)
+
+
+def forward_launch(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
+                   gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], eps: float,
+                   out: Tensor, h: Tensor, beta: Tensor, a: Tensor) -> Launch:
+    """The forward kernel's launch writing ``out, h, beta, a`` (contiguous, shapes of :func:`mgr_step`)."""
+    lead, m, c, m_out, gated, cd = _layout(streams, gate_query)
+    t = math.prod(lead)
+    s2, s_st, s_sm = _stream_view(streams, len(lead))
+    u2, u_st = _token_view(u, len(lead))
+    tile = mgr_tile(c, m_out, streams.element_size(), "forward")
+    w = next_query.contiguous()
+    q = gate_query.contiguous() if gated else w
+    cb = gate_bias.contiguous() if gated else w
+    fb = forget_bias.reshape(1).contiguous() if forget_bias is not None else w
+    programs = persistent_programs(t, tile.num_warps, streams.device)
+    return Launch(_mgr_fwd_kernel, (programs,),
+                  (s2, u2, w, q, cb, fb, out, h, beta, a, t, c, s_st, s_sm, u_st, 1.0 / math.sqrt(c), eps),
+                  _meta(tile, m, m_out, gated, forget_bias is not None, streams, cd))
+
+
 def _fwd_impl(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
               gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], eps: float):
     _check(streams, u)
     lead, m, c, m_out, gated, cd = _layout(streams, gate_query)
-    s2, u2, t = _token_rows(streams, u)
     # outputs are allocated with their final shapes (contiguous), so that none of them is a view
     out = torch.empty((*lead, m_out, c), dtype=streams.dtype, device=streams.device)
     h = torch.empty((*lead, c), dtype=streams.dtype, device=streams.device)
     beta = torch.empty((*lead, m if gated else 0), dtype=cd, device=streams.device)
     a = torch.empty((*lead, m_out), dtype=cd, device=streams.device)
-    if t > 0:
-        block_m, block_c, num_warps = _blocks(m_out, c)
-        w = next_query.contiguous()
-        q = gate_query.contiguous() if gated else w
-        cb = gate_bias.contiguous() if gated else w
-        fb = forget_bias.reshape(1).contiguous() if forget_bias is not None else w
-        _mgr_fwd_kernel[(t,)](
-            s2, u2, w, q, cb, fb, out, h, beta, a, c, 1.0 / math.sqrt(c), eps,
-            M_IN=m, M_OUT=m_out, GATED=gated, COMPETITIVE=forget_bias is not None, ROUND=streams.dtype != cd,
-            BLOCK_M=block_m, BLOCK_C=block_c, DT=_tl_dtype(cd), num_warps=num_warps)
+    if math.prod(lead) > 0:
+        forward_launch(streams, u, next_query, gate_query, gate_bias, forget_bias, eps, out, h, beta, a).run()
     return out, h, beta, a
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: Optional[int]) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+class _Partials(NamedTuple):
+    """Per-program partial sums of the parameter gradients (every row written by its program: ``empty``)."""
+    dw: Tensor
+    dq: Tensor
+    dc: Tensor
+    df: Tensor
 
 
-def _num_programs(t: int, device: torch.device) -> int:
-    """Programs of the backward grid (each loops over tokens and keeps partial parameter gradients)."""
-    if interpreter_mode() or device.type != "cuda":
-        return max(1, min(t, 4))
-    return max(1, min(t, 4 * _sm_count(device.index)))
+def backward_launch(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_query: Tensor,
+                    gate_query: Optional[Tensor], forget_bias: Optional[Tensor], grad_out: Optional[Tensor],
+                    grad_h: Optional[Tensor], eps: float, ds: Tensor, du: Tensor) -> tuple[Launch, _Partials]:
+    """The backward kernel's launch writing ``ds, du`` (contiguous) and the partials it allocates."""
+    lead, m, c, m_out, gated, cd = _layout(streams, gate_query)
+    t = math.prod(lead)
+    nl = len(lead)
+    s2, s_st, s_sm = _stream_view(streams, nl)
+    u2, u_st = _token_view(u, nl)
+    beta2 = beta.contiguous() if gated else a
+    a2 = a.contiguous()
+    go, go_st, go_sm = _stream_view(grad_out, nl) if grad_out is not None else (s2, 0, 0)
+    gh, gh_st = _token_view(grad_h, nl) if grad_h is not None else (u2, 0)
+    tile = mgr_tile(c, m_out, streams.element_size(), "backward")
+    p = persistent_programs(t, tile.num_warps, streams.device, MIN_TOKENS_PER_PROGRAM)
+    dev = streams.device
+    parts = _Partials(torch.empty((p, c), dtype=cd, device=dev) if grad_h is not None else None,
+                      torch.empty((p, c), dtype=cd, device=dev) if gated else None,
+                      torch.empty((p, tile.block_m), dtype=cd, device=dev) if gated else None,
+                      torch.empty((p, tile.block_m), dtype=cd, device=dev) if gated else None)
+    w = next_query.contiguous()
+    q = gate_query.contiguous() if gated else w
+    placeholder = ds
+    launch = Launch(_mgr_bwd_kernel, (p,),
+                    (s2, u2, beta2, a2, w, q, go, gh, ds, du,
+                     *(x if x is not None else placeholder for x in (parts.dq, parts.dw, parts.dc, parts.df)),
+                     t, c, s_st, s_sm, u_st, go_st, go_sm, gh_st, 1.0 / math.sqrt(c), eps),
+                    dict(_meta(tile, m, m_out, gated, forget_bias is not None, streams, cd),
+                         HAS_DOUT=grad_out is not None, HAS_DH=grad_h is not None))
+    return launch, parts
 
 
 def _bwd_impl(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
               gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], grad_out: Optional[Tensor],
               grad_h: Optional[Tensor], eps: float):
     lead, m, c, m_out, gated, cd = _layout(streams, gate_query)
-    s2, u2, t = _token_rows(streams, u)
-    beta2 = beta.reshape(t, -1).contiguous() if gated else a
-    a2 = a.reshape(t, m_out).contiguous()
     ds = torch.empty((*lead, m, c), dtype=streams.dtype, device=streams.device)
     du = torch.empty((*lead, c), dtype=u.dtype, device=u.device)
-    block_m, block_c, num_warps = _blocks(m_out, c, backward=True)
-    p = _num_programs(t, streams.device)
-    dwp = torch.zeros((p, c), dtype=cd, device=streams.device)
-    dqp = torch.zeros((p, c), dtype=cd, device=streams.device)
-    dcp = torch.zeros((p, block_m), dtype=cd, device=streams.device)
-    dfp = torch.zeros((p, block_m), dtype=cd, device=streams.device)
-    if t > 0:
-        go = grad_out.reshape(t, m_out, c).contiguous() if grad_out is not None else s2
-        gh = grad_h.reshape(t, c).contiguous() if grad_h is not None else u2
-        _mgr_bwd_kernel[(p,)](
-            s2, u2, beta2, a2, next_query.contiguous(), gate_query.contiguous() if gated else u2, go, gh,
-            ds, du, dqp, dwp, dcp, dfp, t, c, 1.0 / math.sqrt(c), eps,
-            M_IN=m, M_OUT=m_out, GATED=gated, COMPETITIVE=forget_bias is not None, ROUND=streams.dtype != cd,
-            HAS_DOUT=grad_out is not None, HAS_DH=grad_h is not None,
-            BLOCK_M=block_m, BLOCK_C=block_c, DT=_tl_dtype(cd), num_warps=num_warps)
-    dw = dwp.sum(0).to(next_query.dtype)
+
     def empty():
         return streams.new_empty((0,), dtype=cd)
 
-    if gated:
-        dq = dqp.sum(0).to(gate_query.dtype)
-        db = dcp.sum(0)[:m].to(gate_bias.dtype)
-        df = dfp.sum().to(forget_bias.dtype) if forget_bias is not None else empty()
+    if math.prod(lead) == 0:
+        parts = None
+    else:
+        launch, parts = backward_launch(streams, u, beta, a, next_query, gate_query, forget_bias, grad_out, grad_h,
+                                        eps, ds, du)
+        launch.run()
+    dw = (parts.dw.sum(0) if parts is not None and parts.dw is not None
+          else torch.zeros(c, dtype=cd, device=streams.device)).to(next_query.dtype)
+    if gated and parts is not None:
+        dq = parts.dq.sum(0).to(gate_query.dtype)
+        db = parts.dc.sum(0)[:m].to(gate_bias.dtype)
+        df = parts.df.sum().to(forget_bias.dtype) if forget_bias is not None else empty()
+    elif gated:
+        dq, db = torch.zeros_like(gate_query), torch.zeros_like(gate_bias)
+        df = torch.zeros_like(forget_bias) if forget_bias is not None else empty()
     else:
         dq, db, df = empty(), empty(), empty()
     return ds, du, dq, db, df, dw

@@ -3,19 +3,28 @@
 The rule they compute is stated, and implemented as the torch oracle, in
 ``lightning_resctl.rescontroller.rescontroller_reference``.
 
-* forward: per row, one read of ``r`` and ``u`` gives the three moments Σr², Σu², Σru;
-  the per-row chain gives ``a = s_u·s_s``; one write of ``out = r + a·u``.
-* backward: per row, one read of ``r``, ``u`` and ``grad_out`` gives the moments again and
-  Σ g·u; the closed-form derivative of the chain gives three per-row coefficients; one write
-  each of ``grad_r = g + c_rr·r + c_ru·u`` and ``grad_u = a·g + c_uu·u + c_ru·r``.
-  Nothing but ``r`` and ``u`` is saved for backward (the per-row scalars are recomputed
-  from the same single read).
+* forward: per row, one read of ``r`` and ``u`` gives the three moments Σr², Σu², Σru (and the row's
+  max-abs); the per-row chain gives ``a = s_u·s_s``; one write of ``out = r + a·u``.
+* backward: per row, one read of ``r``, ``u`` and ``grad_out`` gives the moments again and Σ g·u; the
+  closed-form derivative of the chain gives three per-row coefficients; one write each of
+  ``grad_r = g + c_rr·r + c_ru·u`` and ``grad_u = a·g + c_uu·u + c_ru·r``. Nothing but ``r`` and ``u`` is
+  saved for backward (the per-row scalars are recomputed from the same single read).
 
-Rows longer than ``MAX_BLOCK`` are processed in column blocks (three passes over the row: max-abs, sums,
-output). Rows whose max-abs is >= 2^32 have their moments taken of r/k, u/k with k a power of two (no overflow
-of the squares; bitwise the same rule below the threshold).
-Arithmetic is fp32 inside the kernels (fp64 when an input is fp64; the five float options
-arrive as fp32 scalars either way, so fp64 results match the fp64 oracle to ~1e-7 relative).
+Bytes moved per row: 3C elements forward (read r, u; write out) and 5C backward (read g, r, u; write grad_r,
+grad_u) — the minimum — when the row fits a program's registers (``RowTile.single``, rows up to
+``kernels.tiles.RESCONTROLLER[...]["single_elems"]``; short rows several to a program). Longer rows are read in
+column blocks twice, sums then output, with scalar accumulators: 5C forward, 8C backward (the second read of a
+row follows its first within the same program, so on a GPU it comes mostly from L2).
+
+Rows whose max-abs is >= 2^32 have their moments taken of r/k, u/k with k a power of two (no overflow of the
+squares; bitwise the same rule below the threshold): the moments are first taken unscaled together with the
+max-abs, and taken again, scaled, only when some row of the program reaches the threshold (from registers, or
+by one more read of a long row).
+Arithmetic is fp32 inside the kernels (fp64 when an input is fp64; the five float options arrive as fp32
+scalars either way, so fp64 results match the fp64 oracle to ~1e-7 relative).
+
+Inputs are read through their strides (rows of a column slice, a channels-first tensor moved to features-last:
+no copies); outputs get the residual's layout.
 
 The kernels are wrapped as ``torch.library.custom_op`` ops ``lightning_resctl::rescontroller_fwd``
 and ``lightning_resctl::rescontroller_bwd`` with fake (meta) implementations and a registered
@@ -30,10 +39,11 @@ from torch import Tensor
 
 from lightning_resctl._triton import interpreter_mode
 
-__all__ = ["rescontroller_fwd", "rescontroller_bwd", "MAX_BLOCK"]
+from .rows import row_grid
+from .tiles import Launch, RowTile, rescontroller_tile
 
-#: Largest column block held in registers at once; longer rows loop over blocks.
-MAX_BLOCK = 16384
+__all__ = ["rescontroller_fwd", "rescontroller_bwd", "Launch", "forward_launch", "backward_launch"]
+
 #: Rows whose max-abs reaches this have their moments taken of r/k, u/k (k a power of two): no overflow of the
 #: squares for rows ~1e20 in fp32. Same value as lightning_resctl.rescontroller.SCALE_THRESHOLD.
 SCALE_THRESHOLD = 2.0 ** 32
@@ -129,164 +139,229 @@ def _cast_options(n_cols, ur, sr, ku, ks, eps, CDT: tl.constexpr):
 
 
 @triton.jit
-def _load_row(ptr, offs, mask, CDT: tl.constexpr):
-    """One block of a row (0 past its end), in the compute dtype."""
-    return tl.load(ptr + offs, mask=mask, other=0.0).to(CDT)
+def _program_rows(n_rows, ROWS: tl.constexpr):
+    """This program's rows (int64), which of them exist, and its batch index (int64)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    return rows.to(tl.int64), rows < n_rows, tl.program_id(1).to(tl.int64)
 
 
 @triton.jit
-def _blocked_inv_scale(r_ptr, u_ptr, n_cols, CDT: tl.constexpr, BLOCK: tl.constexpr, THRESHOLD: tl.constexpr):
-    """1/k of a long row (its max-abs read in column blocks)."""
-    cols = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=CDT)
+def _row_starts(ptr, stride_outer, stride_inner, rows, outer):
+    """Pointers to the first element of ``rows`` (int64) in batch ``outer`` (int64) of a strided tensor."""
+    return ptr + outer * stride_outer + rows * stride_inner
+
+
+@triton.jit
+def _load(starts, cols, stride_col, mask, CDT: tl.constexpr):
+    """A (rows, block) tile of a row-strided tensor (0 where masked off), in the compute dtype."""
+    return tl.load(starts[:, None] + cols[None, :] * stride_col, mask=mask, other=0.0).to(CDT)
+
+
+@triton.jit
+def _store(starts, cols, stride_col, value, mask):
+    tl.store(starts[:, None] + cols[None, :] * stride_col, value.to(starts.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _moments(r, u, g, inv_k, WITH_G: tl.constexpr):
+    """Per row of a tile: Σr'², Σu'², Σr'u' and (``WITH_G``) Σg·u' of r' = r·inv_k, u' = u·inv_k."""
+    rs = r * inv_k[:, None]
+    us = u * inv_k[:, None]
+    sgu = tl.sum(g * us, axis=1) if WITH_G else tl.sum(us * 0.0, axis=1)
+    return tl.sum(rs * rs, axis=1), tl.sum(us * us, axis=1), tl.sum(rs * us, axis=1), sgu
+
+
+@triton.jit
+def _max_abs(r, u):
+    return tl.max(tl.maximum(tl.abs(r), tl.abs(u)), axis=1)
+
+
+@triton.jit
+def _blocked_moments(r_rows, u_rows, g_rows, rsc, usc, gsc, rmask, n_cols, cols, inv_k,
+                     CDT: tl.constexpr, BLOCK: tl.constexpr, WITH_G: tl.constexpr):
+    """Long rows read in column blocks: the moments of r·inv_k, u·inv_k (and Σ g·u·inv_k), one accumulator per
+    row and sum, and the rows' max-abs."""
+    srr = inv_k * 0.0
+    suu = srr
+    sru = srr
+    sgu = srr
+    mx = srr
     for start in range(0, n_cols, BLOCK):
-        mask = start + cols < n_cols
-        r = tl.abs(_load_row(r_ptr + start, cols, mask, CDT))
-        u = tl.abs(_load_row(u_ptr + start, cols, mask, CDT))
-        acc = tl.maximum(acc, tl.maximum(r, u))
-    return _inv_scale(tl.max(acc, axis=0), THRESHOLD)
+        mask = rmask[:, None] & (start + cols < n_cols)[None, :]
+        r = _load(r_rows, start + cols, rsc, mask, CDT)
+        u = _load(u_rows, start + cols, usc, mask, CDT)
+        g = _load(g_rows, start + cols, gsc, mask, CDT) if WITH_G else r
+        a, b, c, d = _moments(r, u, g, inv_k, WITH_G)
+        srr += a
+        suu += b
+        sru += c
+        sgu += d
+        mx = tl.maximum(mx, _max_abs(r, u))
+    return srr, suu, sru, sgu, mx
 
 
 @triton.jit
-def _blocked_sums(r_ptr, u_ptr, g_ptr, n_cols, inv_k, CDT: tl.constexpr, BLOCK: tl.constexpr,
-                  WITH_G: tl.constexpr):
-    """Row sums Σr'², Σu'², Σr'u' and (``WITH_G``) Σgu' of r' = r/k, u' = u/k, read in column blocks of
-    ``BLOCK``; without ``WITH_G`` ``g_ptr`` is not read and the last sum is 0."""
-    cols = tl.arange(0, BLOCK)
-    acc_rr = tl.zeros([BLOCK], dtype=CDT)
-    acc_uu = tl.zeros([BLOCK], dtype=CDT)
-    acc_ru = tl.zeros([BLOCK], dtype=CDT)
-    acc_gu = tl.zeros([BLOCK], dtype=CDT)
-    for start in range(0, n_cols, BLOCK):
-        mask = start + cols < n_cols
-        if WITH_G:
-            g = _load_row(g_ptr + start, cols, mask, CDT)
-        r = _load_row(r_ptr + start, cols, mask, CDT) * inv_k
-        u = _load_row(u_ptr + start, cols, mask, CDT) * inv_k
-        acc_rr += r * r
-        acc_uu += u * u
-        acc_ru += r * u
-        if WITH_G:
-            acc_gu += g * u
-    return tl.sum(acc_rr, axis=0), tl.sum(acc_uu, axis=0), tl.sum(acc_ru, axis=0), tl.sum(acc_gu, axis=0)
+def _row_sums(r_rows, u_rows, g_rows, rsc, usc, gsc, rmask, n_cols, cols,
+              CDT: tl.constexpr, BLOCK: tl.constexpr, THRESHOLD: tl.constexpr, WITH_G: tl.constexpr):
+    """Long rows: 1/k and the moments of r/k, u/k (and Σ g·u/k); the blocks are read once more, scaled, only
+    when a row's max-abs reaches THRESHOLD."""
+    one = tl.full(rmask.shape, 1.0, CDT)
+    srr, suu, sru, sgu, mx = _blocked_moments(r_rows, u_rows, g_rows, rsc, usc, gsc, rmask, n_cols, cols, one,
+                                              CDT, BLOCK, WITH_G)
+    inv_k = _inv_scale(mx, THRESHOLD)
+    if tl.min(inv_k, axis=0) < 1.0:
+        srr, suu, sru, sgu, mx = _blocked_moments(r_rows, u_rows, g_rows, rsc, usc, gsc, rmask, n_cols, cols,
+                                                  inv_k, CDT, BLOCK, WITH_G)
+    return inv_k, srr, suu, sru, sgu
 
 
 @triton.jit
-def _row_moments(r, u, THRESHOLD: tl.constexpr):
-    """One row in registers: the scale 1/k (k = 1 below THRESHOLD) and the moments of r/k and u/k;
-    also returns u/k (the backward's Σ g·u/k reads it)."""
-    inv_k = _inv_scale(tl.max(tl.maximum(tl.abs(r), tl.abs(u)), axis=0), THRESHOLD)
-    rs = r * inv_k
-    us = u * inv_k
-    return inv_k, tl.sum(rs * rs, axis=0), tl.sum(us * us, axis=0), tl.sum(rs * us, axis=0), us
+def _tile_sums(r, u, g, THRESHOLD: tl.constexpr, WITH_G: tl.constexpr):
+    """Rows held in registers: 1/k from the rows' max-abs, then the moments of r/k, u/k (and Σ g·u/k)."""
+    inv_k = _inv_scale(_max_abs(r, u), THRESHOLD)
+    srr, suu, sru, sgu = _moments(r, u, g, inv_k, WITH_G)
+    return inv_k, srr, suu, sru, sgu
 
 
 @triton.jit
 def _fwd_kernel(
-    r_ptr, u_ptr, out_ptr, n_cols,
+    r_ptr, u_ptr, out_ptr, n_rows, n_cols,
+    r_so, r_si, r_sc, u_so, u_si, u_sc, o_so, o_si, o_sc,
     ur, sr, ku, ks, eps,
-    CDT: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr, THRESHOLD: tl.constexpr,
+    CDT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr, THRESHOLD: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64) * n_cols
-    r_ptr += row
-    u_ptr += row
-    out_ptr += row
+    rows, rmask, outer = _program_rows(n_rows, ROWS)
+    r_rows = _row_starts(r_ptr, r_so, r_si, rows, outer)
+    u_rows = _row_starts(u_ptr, u_so, u_si, rows, outer)
+    o_rows = _row_starts(out_ptr, o_so, o_si, rows, outer)
     d, ur, sr, ku, ks, eps = _cast_options(n_cols, ur, sr, ku, ks, eps, CDT)
     cols = tl.arange(0, BLOCK)
     if SINGLE:
-        mask = cols < n_cols
-        r = _load_row(r_ptr, cols, mask, CDT)
-        u = _load_row(u_ptr, cols, mask, CDT)
-        inv_k, srr, suu, sru, _ = _row_moments(r, u, THRESHOLD)
+        mask = rmask[:, None] & (cols < n_cols)[None, :]
+        r = _load(r_rows, cols, r_sc, mask, CDT)
+        u = _load(u_rows, cols, u_sc, mask, CDT)
+        inv_k, srr, suu, sru, _ = _tile_sums(r, u, r, THRESHOLD, False)
         s_u, s_s = _scales(srr, suu, sru, d, ur, sr, ku, ks, eps, inv_k)
-        out = r + (s_u * s_s) * u
-        tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+        _store(o_rows, cols, o_sc, r + (s_u * s_s)[:, None] * u, mask)
     else:
-        inv_k = _blocked_inv_scale(r_ptr, u_ptr, n_cols, CDT, BLOCK, THRESHOLD)
-        srr, suu, sru, _ = _blocked_sums(r_ptr, u_ptr, u_ptr, n_cols, inv_k, CDT, BLOCK, False)
+        inv_k, srr, suu, sru, _ = _row_sums(r_rows, u_rows, r_rows, r_sc, u_sc, r_sc, rmask, n_cols, cols,
+                                            CDT, BLOCK, THRESHOLD, False)
         s_u, s_s = _scales(srr, suu, sru, d, ur, sr, ku, ks, eps, inv_k)
-        a = s_u * s_s
+        a = (s_u * s_s)[:, None]
         for start in range(0, n_cols, BLOCK):
-            mask = start + cols < n_cols
-            r = _load_row(r_ptr + start, cols, mask, CDT)
-            u = _load_row(u_ptr + start, cols, mask, CDT)
-            tl.store(out_ptr + start + cols, (r + a * u).to(out_ptr.dtype.element_ty), mask=mask)
+            mask = rmask[:, None] & (start + cols < n_cols)[None, :]
+            r = _load(r_rows, start + cols, r_sc, mask, CDT)
+            u = _load(u_rows, start + cols, u_sc, mask, CDT)
+            _store(o_rows, start + cols, o_sc, r + a * u, mask)
 
 
 @triton.jit
 def _bwd_kernel(
-    g_ptr, r_ptr, u_ptr, gr_ptr, gu_ptr, n_cols,
+    g_ptr, r_ptr, u_ptr, gr_ptr, gu_ptr, n_rows, n_cols,
+    g_so, g_si, g_sc, r_so, r_si, r_sc, u_so, u_si, u_sc, gr_so, gr_si, gr_sc, gu_so, gu_si, gu_sc,
     ur, sr, ku, ks, eps,
-    CDT: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr, THRESHOLD: tl.constexpr,
+    CDT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr, THRESHOLD: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64) * n_cols
-    g_ptr += row
-    r_ptr += row
-    u_ptr += row
-    gr_ptr += row
-    gu_ptr += row
+    rows, rmask, outer = _program_rows(n_rows, ROWS)
+    g_rows = _row_starts(g_ptr, g_so, g_si, rows, outer)
+    r_rows = _row_starts(r_ptr, r_so, r_si, rows, outer)
+    u_rows = _row_starts(u_ptr, u_so, u_si, rows, outer)
+    gr_rows = _row_starts(gr_ptr, gr_so, gr_si, rows, outer)
+    gu_rows = _row_starts(gu_ptr, gu_so, gu_si, rows, outer)
     d, ur, sr, ku, ks, eps = _cast_options(n_cols, ur, sr, ku, ks, eps, CDT)
     cols = tl.arange(0, BLOCK)
     if SINGLE:
-        mask = cols < n_cols
-        g = _load_row(g_ptr, cols, mask, CDT)
-        r = _load_row(r_ptr, cols, mask, CDT)
-        u = _load_row(u_ptr, cols, mask, CDT)
-        inv_k, srr, suu, sru, us = _row_moments(r, u, THRESHOLD)
-        sgu = tl.sum(g * us, axis=0)
+        mask = rmask[:, None] & (cols < n_cols)[None, :]
+        g = _load(g_rows, cols, g_sc, mask, CDT)
+        r = _load(r_rows, cols, r_sc, mask, CDT)
+        u = _load(u_rows, cols, u_sc, mask, CDT)
+        inv_k, srr, suu, sru, sgu = _tile_sums(r, u, g, THRESHOLD, True)
         a, c_rr, c_uu, c_ru = _chain_backward(sgu, srr, suu, sru, d, ur, sr, ku, ks, eps, inv_k)
-        tl.store(gr_ptr + cols, (g + c_rr * r + c_ru * u).to(gr_ptr.dtype.element_ty), mask=mask)
-        tl.store(gu_ptr + cols, (a * g + c_uu * u + c_ru * r).to(gu_ptr.dtype.element_ty), mask=mask)
+        a, c_rr, c_uu, c_ru = a[:, None], c_rr[:, None], c_uu[:, None], c_ru[:, None]
+        _store(gr_rows, cols, gr_sc, g + c_rr * r + c_ru * u, mask)
+        _store(gu_rows, cols, gu_sc, a * g + c_uu * u + c_ru * r, mask)
     else:
-        inv_k = _blocked_inv_scale(r_ptr, u_ptr, n_cols, CDT, BLOCK, THRESHOLD)
-        srr, suu, sru, sgu = _blocked_sums(r_ptr, u_ptr, g_ptr, n_cols, inv_k, CDT, BLOCK, True)
+        inv_k, srr, suu, sru, sgu = _row_sums(r_rows, u_rows, g_rows, r_sc, u_sc, g_sc, rmask, n_cols, cols,
+                                              CDT, BLOCK, THRESHOLD, True)
         a, c_rr, c_uu, c_ru = _chain_backward(sgu, srr, suu, sru, d, ur, sr, ku, ks, eps, inv_k)
+        a, c_rr, c_uu, c_ru = a[:, None], c_rr[:, None], c_uu[:, None], c_ru[:, None]
         for start in range(0, n_cols, BLOCK):
-            mask = start + cols < n_cols
-            g = _load_row(g_ptr + start, cols, mask, CDT)
-            r = _load_row(r_ptr + start, cols, mask, CDT)
-            u = _load_row(u_ptr + start, cols, mask, CDT)
-            tl.store(gr_ptr + start + cols, (g + c_rr * r + c_ru * u).to(gr_ptr.dtype.element_ty), mask=mask)
-            tl.store(gu_ptr + start + cols, (a * g + c_uu * u + c_ru * r).to(gu_ptr.dtype.element_ty), mask=mask)
+            mask = rmask[:, None] & (start + cols < n_cols)[None, :]
+            g = _load(g_rows, start + cols, g_sc, mask, CDT)
+            r = _load(r_rows, start + cols, r_sc, mask, CDT)
+            u = _load(u_rows, start + cols, u_sc, mask, CDT)
+            _store(gr_rows, start + cols, gr_sc, g + c_rr * r + c_ru * u, mask)
+            _store(gu_rows, start + cols, gu_sc, a * g + c_uu * u + c_ru * r, mask)
 
 
-def _launch_config(n_cols: int, max_block: int):
-    block = min(triton.next_power_of_2(n_cols), max_block)
-    single = block >= n_cols
-    num_warps = 1 if interpreter_mode() else max(1, min(16, block // 256))
-    return block, single, num_warps
-
-
+# ----------------------------------------------------------------------------------------------
+# launch code: what runs, as data (benchmarks/kernels_aot.py compiles exactly these launches ahead of time)
+# ----------------------------------------------------------------------------------------------
 def _compute_dtype(*tensors: Tensor):
     return tl.float64 if any(t.dtype == torch.float64 for t in tensors) else tl.float32
 
 
+def _rows(*tensors: Tensor):
+    """The tensors (copied only when their strides cannot be walked as rows) and their row grid."""
+    grid = row_grid(*tensors)
+    if grid is None:
+        tensors = tuple(t.contiguous() for t in tensors)
+        grid = row_grid(*tensors)
+    return tensors, grid
+
+
+def _elem_bytes(*tensors: Tensor) -> int:
+    return max(t.element_size() for t in tensors)
+
+
+def _launch(kernel, tensors, n_cols, opts, tile: RowTile, grid) -> Launch:
+    strides = tuple(s for per_tensor in grid.strides for s in per_tensor)
+    meta = dict(CDT=_compute_dtype(*tensors), ROWS=tile.rows, BLOCK=tile.block, SINGLE=tile.single,
+                THRESHOLD=SCALE_THRESHOLD, num_warps=1 if interpreter_mode() else tile.num_warps,
+                maxnreg=tile.max_regs)
+    return Launch(kernel, (triton.cdiv(grid.inner, tile.rows), grid.outer),
+                  (*tensors, grid.inner, n_cols, *strides, *opts), meta)
+
+
+def forward_launch(residual: Tensor, update: Tensor, out: Tensor, opts) -> Launch:
+    """The forward kernel's launch for ``(*lead, C)`` tensors (any strides)."""
+    (residual, update, out), grid = _rows(residual, update, out)
+    return _launch(_fwd_kernel, (residual, update, out), residual.shape[-1], opts,
+                   rescontroller_tile(residual.shape[-1], _elem_bytes(residual, update), "forward"), grid)
+
+
+def backward_launch(grad_out: Tensor, residual: Tensor, update: Tensor, grad_r: Tensor, grad_u: Tensor,
+                    opts) -> Launch:
+    """The backward kernel's launch for ``(*lead, C)`` tensors (any strides)."""
+    tensors, grid = _rows(grad_out, residual, update, grad_r, grad_u)
+    return _launch(_bwd_kernel, tensors, residual.shape[-1], opts,
+                   rescontroller_tile(residual.shape[-1], _elem_bytes(*tensors[:3]), "backward"), grid)
+
+
 # ----------------------------------------------------------------------------------------------
-# ops: 2-D contiguous (rows, C) tensors, features last
+# ops: (*lead, C) tensors, features last, any strides
 # ----------------------------------------------------------------------------------------------
+def _out_like(residual: Tensor, update: Tensor) -> Tensor:
+    return torch.empty_like(residual, dtype=torch.promote_types(residual.dtype, update.dtype))
+
+
 @torch.library.custom_op("lightning_resctl::rescontroller_fwd", mutates_args=())
 def rescontroller_fwd(
     residual: Tensor, update: Tensor,
     update_ratio: float, stream_ratio: float, update_softness: float, stream_softness: float, eps: float,
 ) -> Tensor:
-    """``out = r + s_u s_s u`` per row of 2-D contiguous ``(rows, C)`` tensors."""
-    out = torch.empty(residual.shape, dtype=torch.promote_types(residual.dtype, update.dtype), device=residual.device)
-    rows, n_cols = residual.shape
-    if rows == 0:
+    """``out = r + s_u s_s u`` per row of same-shaped ``(*lead, C)`` tensors (features last, any strides;
+    ``out`` has the residual's layout)."""
+    out = _out_like(residual, update)
+    if out.numel() == 0:
         return out
-    block, single, num_warps = _launch_config(n_cols, MAX_BLOCK)
-    _fwd_kernel[(rows,)](
-        residual, update, out, n_cols,
-        update_ratio, stream_ratio, update_softness, stream_softness, eps,
-        CDT=_compute_dtype(residual, update), BLOCK=block, SINGLE=single, THRESHOLD=SCALE_THRESHOLD,
-        num_warps=num_warps,
-    )
+    forward_launch(residual, update, out, (update_ratio, stream_ratio, update_softness, stream_softness, eps)).run()
     return out
 
 
 @rescontroller_fwd.register_fake
 def _(residual, update, update_ratio, stream_ratio, update_softness, stream_softness, eps):
-    return residual.new_empty(residual.shape, dtype=torch.promote_types(residual.dtype, update.dtype))
+    return _out_like(residual, update)
 
 
 @torch.library.custom_op("lightning_resctl::rescontroller_bwd", mutates_args=())
@@ -294,19 +369,14 @@ def rescontroller_bwd(
     grad_out: Tensor, residual: Tensor, update: Tensor,
     update_ratio: float, stream_ratio: float, update_softness: float, stream_softness: float, eps: float,
 ) -> tuple[Tensor, Tensor]:
-    """``(grad_r, grad_u)`` of the merge per row of 2-D contiguous ``(rows, C)`` tensors."""
+    """``(grad_r, grad_u)`` of the merge per row of same-shaped ``(*lead, C)`` tensors (any strides; each
+    gradient has its input's layout)."""
     grad_r = torch.empty_like(residual)
     grad_u = torch.empty_like(update)
-    rows, n_cols = residual.shape
-    if rows == 0:
+    if grad_r.numel() == 0:
         return grad_r, grad_u
-    block, single, num_warps = _launch_config(n_cols, MAX_BLOCK)
-    _bwd_kernel[(rows,)](
-        grad_out, residual, update, grad_r, grad_u, n_cols,
-        update_ratio, stream_ratio, update_softness, stream_softness, eps,
-        CDT=_compute_dtype(grad_out, residual, update), BLOCK=block, SINGLE=single, THRESHOLD=SCALE_THRESHOLD,
-        num_warps=num_warps,
-    )
+    backward_launch(grad_out, residual, update, grad_r, grad_u,
+                    (update_ratio, stream_ratio, update_softness, stream_softness, eps)).run()
     return grad_r, grad_u
 
 
@@ -323,9 +393,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     residual, update = ctx.saved_tensors
-    grad_r, grad_u = rescontroller_bwd(grad_out.contiguous(), residual, update, *ctx.opts)
+    grad_r, grad_u = rescontroller_bwd(grad_out, residual, update, *ctx.opts)
     return grad_r, grad_u, None, None, None, None, None
 
 
 rescontroller_fwd.register_autograd(_backward, setup_context=_setup_context)
-

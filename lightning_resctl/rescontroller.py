@@ -412,18 +412,15 @@ def _load_kernels() -> bool:
 
 
 def _rescontroller_triton(residual, update, ur, sr, ku, ks, eps, dim):
-    """Triton path: feature dim last, contiguous rows, the fused op, the caller's shape back."""
+    """Triton path: the fused op on the feature dim moved last (a view: the kernels walk the strides, no
+    copy), the caller's layout back."""
     refuse_transforms("rescontroller (Triton op)", _ORACLE, residual, update)
     _load_kernels()
     last = dim == residual.dim() - 1
     r = residual if last else residual.movedim(dim, -1)
     u = update if last else update.movedim(dim, -1)
-    shape = r.shape
-    n_cols = shape[-1]
     with autocast_off(r.device.type):
-        out = torch.ops.lightning_resctl.rescontroller_fwd(
-            r.contiguous().view(-1, n_cols), u.contiguous().view(-1, n_cols), ur, sr, ku, ks, eps
-        ).view(shape)
+        out = torch.ops.lightning_resctl.rescontroller_fwd(r, u, ur, sr, ku, ks, eps)
     return out if last else out.movedim(-1, dim)
 
 

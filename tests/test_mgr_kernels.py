@@ -55,12 +55,21 @@ def forward_backward(fn, streams, u, params):
     return [out, h], grads
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("c", [37, 97])
-@pytest.mark.parametrize("n", [2, 4, 8])
-@pytest.mark.parametrize("kind", KINDS)
-def test_fused_step_matches_reference(kern, kind, n, c, dtype):
-    streams, u, params = make_case(kind, n, c, dtype, seed=n * c)
+def small_tiles(monkeypatch, single_elems=0, loop_elems=64):
+    """Shrink the MGR launch table so that small shapes take the column-tiled path the GPU runs on large
+    tokens: with ``single_elems=0`` every token is tiled, ``loop_elems=64`` gives 16-32 columns per tile (97
+    columns: several tiles, the last one partial)."""
+    tiles = kernel_module("tiles")
+    for entry in tiles.MGR.values():  # every direction and element size
+        assert "single_elems" in entry and "loop_elems" in entry
+        monkeypatch.setitem(entry, "single_elems", single_elems)
+        monkeypatch.setitem(entry, "loop_elems", loop_elems)
+
+
+def check_step(kern, kind, n, c, dtype, tokens=(3,), seed=0):
+    """Forward and backward of the fused step against the reference (the interpreter runs 4 programs: with
+    more than 4 tokens some programs loop over two)."""
+    streams, u, params = make_case(kind, n, c, dtype, tokens=tokens, seed=seed)
     gating = "independent" if kind == "independent" else "competitive"
     outs, grads = forward_backward(lambda s, u, p: op_call(kern, s, u, p), streams, u, params)
     routs, rgrads = forward_backward(lambda s, u, p: ref_call(s, u, p, gating), streams, u, params)
@@ -72,6 +81,75 @@ def test_fused_step_matches_reference(kern, kind, n, c, dtype):
         assert a.dtype == b.dtype and a.shape == b.shape
         scale = b.float().abs().max().clamp_min(1.0)
         torch.testing.assert_close(a.float(), b.float(), rtol=tol["rtol"], atol=tol["atol"] * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("c", [37, 97])
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_step_matches_reference(kern, kind, n, c, dtype):
+    check_step(kern, kind, n, c, dtype, seed=n * c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("kind", KINDS)
+def test_tiled_step_matches_reference(kern, monkeypatch, kind, n, dtype):
+    """Tokens larger than a tile: two passes over column tiles (the pool's moments from running sums forward,
+    dbeta from row sums backward, the parameter-gradient partials accumulated in place)."""
+    small_tiles(monkeypatch)
+    check_step(kern, kind, n, 50, dtype, tokens=(5,), seed=n)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_strided_streams_need_no_copy(kern, monkeypatch, tiled):
+    """Streams and u that are views into one (T, m + 1, C) buffer (the inversion path's accumulating merge),
+    and a strided dS', are read through their strides: same results as contiguous copies, no copy made."""
+    if tiled:
+        small_tiles(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    m, c = 3, 41
+    buf = torch.randn(5, m + 1, c, generator=g)
+    streams, u = buf[:, :m], buf[:, m]
+    assert not streams.is_contiguous() and not u.is_contiguous()
+    assert kern._stream_view(streams, 1)[0] is streams and kern._token_view(u, 1)[0] is u
+    params = {"next_query": torch.randn(c, generator=g), "gate_query": torch.randn(c, generator=g),
+              "gate_bias": torch.randn(m, generator=g), "forget_bias": torch.randn((), generator=g)}
+    grad_out = torch.randn(c, 5, m, generator=g).permute(1, 2, 0)  # feature stride 5 * m: copied, still right
+    grad_h = torch.randn(5, 2 * c, generator=g)[:, ::2]
+    got = kern.mgr_step_backward_raw(streams, u, *kern.mgr_step(streams, u, params["next_query"],
+                                                                 params["gate_query"], params["gate_bias"],
+                                                                 params["forget_bias"], 1e-6)[2:],
+                                     params["next_query"], params["gate_query"], params["gate_bias"],
+                                     params["forget_bias"], grad_out, grad_h, 1e-6)
+    sc, uc = streams.contiguous(), u.contiguous()
+    want = kern.mgr_step_backward_raw(sc, uc, *kern.mgr_step(sc, uc, params["next_query"], params["gate_query"],
+                                                             params["gate_bias"], params["forget_bias"], 1e-6)[2:],
+                                      params["next_query"], params["gate_query"], params["gate_bias"],
+                                      params["forget_bias"], grad_out.contiguous(), grad_h.contiguous(), 1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    out_s, h_s, *_ = kern.mgr_step(streams, u, params["next_query"], None, None, None, 1e-6)
+    out_c, h_c, *_ = kern.mgr_step(sc, uc, params["next_query"], None, None, None, 1e-6)
+    torch.testing.assert_close(out_s, out_c, rtol=0, atol=0)
+    torch.testing.assert_close(h_s, h_c, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_every_output_and_partial_is_written(kern, monkeypatch, tiled):
+    """The backward's outputs and per-program partial sums are ``torch.empty``: with every fresh buffer
+    poisoned with NaN the results are still the reference's, so every element is written by a program."""
+    if tiled:
+        small_tiles(monkeypatch)
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    check_step(kern, "competitive", 4, 21, torch.float32, tokens=(5,))
+    check_step(kern, "accumulating", 4, 21, torch.float32, tokens=(5,))
 
 
 @pytest.mark.parametrize("kind", ["competitive", "independent"])
@@ -166,9 +244,11 @@ def _on(t):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(5, 37), (3, 2, 301)])
+@pytest.mark.parametrize("shape", [(5, 37), (3, 2, 301), (2, 16411)])
 @pytest.mark.parametrize("scale", [1.0, 1e20])
 def test_device_rescontroller_kernels_match_reference(dtype, shape, scale):
+    """Short rows several to a program, one row per program, and rows past every single-read limit of the
+    launch table (two passes over column blocks), ordinary and ~1e20."""
     from lightning_resctl.rescontroller import rescontroller, rescontroller_reference
 
     g = torch.Generator().manual_seed(7)
@@ -190,10 +270,12 @@ def test_device_rescontroller_kernels_match_reference(dtype, shape, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n, c", [(2, 97), (4, 97), (8, 97), (8, 2304)])
 @pytest.mark.parametrize("kind", KINDS)
-def test_device_mgr_kernels_match_reference(kern, kind, n, dtype):
-    streams, u, params = make_case(kind, n, 97, dtype, tokens=(2, 3), seed=n)
+def test_device_mgr_kernels_match_reference(kern, kind, n, c, dtype):
+    """C=97: a token is one tile (6 tokens: some programs loop over two); n=8, C=2304: past the launch
+    table's single-tile limits, column tiles (2 tokens: the interpreter's cost grows with the tiles)."""
+    streams, u, params = make_case(kind, n, c, dtype, tokens=(2, 3) if c < 1000 else (2,), seed=n)
     gating = "independent" if kind == "independent" else "competitive"
     dev = {k: _on(v) for k, v in params.items()}
     got, ggrads = forward_backward(lambda s, x, p: op_call(kern, s, x, p), _on(streams), _on(u), dev)

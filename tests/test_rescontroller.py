@@ -238,17 +238,64 @@ def test_non_contiguous_inputs(backend):
     _check_path_vs_reference(backend, r, u, atol=1e-5, rtol=1e-5)
 
 
+def small_tiles(monkeypatch, single_elems, loop_block, tile_bytes=64):
+    """Shrink the ResController launch table so that small shapes reach the loop paths the GPU runs on long
+    rows (``single_elems``: longest row read once; ``loop_block``: column block of longer rows;
+    ``tile_bytes``: bytes of one tensor per program for short rows)."""
+    tiles = lightning_resctl._triton.kernel_module("tiles")
+    for entry in tiles.RESCONTROLLER.values():
+        for key, value in (("single_elems", single_elems), ("loop_block", loop_block), ("tile_bytes", tile_bytes)):
+            assert key in entry
+            monkeypatch.setitem(entry, key, value)
+
+
 def test_triton_column_block_loop(monkeypatch):
-    """Rows longer than MAX_BLOCK take the two-pass column loop (forward and backward)."""
-    kernels = lightning_resctl._triton.kernel_module("rescontroller")
-    monkeypatch.setattr(kernels, "MAX_BLOCK", 128)
+    """Rows longer than the table's single_elems take the two-pass column loop (forward and backward), with
+    a column block that does not divide the row."""
+    small_tiles(monkeypatch, single_elems=64, loop_block=128)
     r = torch.randn(3, 777)
     u = torch.randn(3, 777) * torch.linspace(0.01, 3.0, 777)
     _check_path_vs_reference("triton", r, u, atol=2e-5, rtol=1e-5)
-    monkeypatch.setattr(kernels, "MAX_BLOCK", 4)
-    r64, u64 = torch.randn(2, 11, dtype=torch.float64, requires_grad=True), torch.randn(2, 11, dtype=torch.float64)
+    small_tiles(monkeypatch, single_elems=4, loop_block=8)
+    r64, u64 = torch.randn(1, 11, dtype=torch.float64, requires_grad=True), torch.randn(1, 11, dtype=torch.float64)
     u64.requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: rescontroller(a, b, backend="triton"), (r64, u64))
+
+
+@pytest.mark.parametrize("tile_bytes", [512, 16384])
+def test_triton_several_rows_per_program(monkeypatch, tile_bytes):
+    """Short rows go several to a program (the last program's rows partly past the end); with 512 bytes a
+    program holds 2 fp32 rows of 33 (block 64), with 16384 bytes all 37 rows (64 rows, 27 past the end)."""
+    small_tiles(monkeypatch, single_elems=4096, loop_block=64, tile_bytes=tile_bytes)
+    r = torch.randn(37, 33)
+    u = torch.randn(37, 33) * torch.linspace(0.01, 3.0, 33)
+    _check_path_vs_reference("triton", r, u, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("single_elems", [4096, 16])
+def test_triton_strided_rows_need_no_copy(monkeypatch, single_elems):
+    """Column slices and channels-first tensors are read through their strides (one and two row levels),
+    in both the one-read and the column-loop path; the output keeps the residual's layout."""
+    small_tiles(monkeypatch, single_elems=single_elems, loop_block=16, tile_bytes=256)
+    r = torch.randn(2, 40, 3, 5).movedim(1, -1)  # channels-first moved last: (2, 3, 5, 40), two row levels
+    u = torch.randn(2, 3, 5, 80)[..., ::2]  # column slice: feature stride 2
+    _check_path_vs_reference("triton", r, u, atol=2e-5, rtol=1e-5)
+    out = rescontroller(r, u, backend="triton")
+    assert out.stride() == r.stride()
+    r3 = torch.randn(4, 7, 5, 21)[::2, ::2, ::2]  # three row levels: copied, still right
+    _check_path_vs_reference("triton", r3, torch.randn(r3.shape), atol=2e-5, rtol=1e-5)
+
+
+def test_row_grid_levels():
+    """How tensors map to strided rows: one level, two levels, or None (the caller copies)."""
+    row_grid = lightning_resctl._triton.kernel_module("rows").row_grid
+    x = torch.empty(6, 5, 8)
+    assert row_grid(x) == (1, 30, ((0, 8, 1),))
+    cf = torch.empty(2, 8, 3, 4).movedim(1, -1)  # (2, 3, 4, 8): batch stride 96, pixel stride 1, feature 12
+    assert row_grid(cf, x.new_empty(2, 3, 4, 8)) == (2, 12, ((96, 1, 12), (96, 8, 1)))
+    assert row_grid(torch.empty(4, 7, 5, 3)[::2, ::2, ::2]) is None
+    assert row_grid(torch.empty(70000, 1, 3, 2).movedim(1, -1)[:, ::2]) is None  # batch past the grid limit
+    assert row_grid(torch.empty(5)) == (1, 1, ((0, 0, 1),))
 
 
 def test_triton_ops_registration():
@@ -496,7 +543,7 @@ def _huge_rows(shape, dtype, scale=1e20, seed=0):
 def test_huge_rows_stay_finite_and_match_fp64(path, dtype, shape, monkeypatch):
     """Rows of magnitude ~1e20 (whose squares overflow fp32) give the fp64 result, forward and backward."""
     if path == "triton-blocked":
-        monkeypatch.setattr(lightning_resctl._triton.kernel_module("rescontroller"), "MAX_BLOCK", 16)
+        small_tiles(monkeypatch, single_elems=16, loop_block=16)
     r, u = _huge_rows(shape, dtype)
     r.requires_grad_()
     u.requires_grad_()

@@ -1,0 +1,435 @@
+"""Ahead-of-time compile of every Triton kernel variant the launch code picks, for sm_80 and sm_90, on any
+machine (no GPU needed: Triton's CUDA backend and the ptxas inside the triton wheel run on CPU).
+
+One line per variant: the tile and warps the launch code chose (taken from the kernels' own launch functions,
+so the table cannot drift from what runs), registers per thread, spilled bytes, shared memory, theoretical
+occupancy, the widest global load (bits) and fp64 instructions from the PTX, and the bytes the kernel moves per
+row (per token for MGR) against the rule's minimum. A summary line ends the table.
+
+Everything here is compiler output and a model of the hardware, not a GPU measurement:
+
+* registers / spills: ``ptxas -v`` on the PTX Triton emits (the flags Triton uses);
+* theoretical occupancy: resident warps per SM over 64, from registers (allocated per warp in units of 256),
+  shared memory (+1 KiB reserved per block; 164 KiB per SM on sm_80, 228 KiB on sm_90), 32 blocks and 64
+  warps per SM;
+* bytes moved: every global load and store of the kernel counted while it runs in Triton's interpreter on a
+  few rows (masked-off lanes not counted), split into the row tensors (the rule's inputs and outputs) and the
+  rest (parameter vectors, per-program partial sums); the minimum reads every row input once and writes every
+  row output once (ResController: 3C forward, 5C backward; MGR: see ``kernels/mgr.py``).
+
+Usage::
+
+    python benchmarks/kernels_aot.py                      # the full grid, both targets (~10 min on 2 cores)
+    python benchmarks/kernels_aot.py --C 768 4096 --dtypes bf16 --n 4 --arch 90   # a subset
+    python benchmarks/kernels_aot.py --json out.json     # also write every row as JSON
+
+Needs triton with its CUDA backend (the standard Linux wheel); no CUDA device or driver.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import functools
+import json
+import math
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+GRID_C = (64, 256, 768, 1024, 2048, 4096, 8192, 16384, 32768)
+DTYPES = ("fp32", "bf16", "fp16")
+STREAMS = (2, 4, 8)
+KINDS = ("accumulating", "independent", "competitive")
+ARCHS = (80, 90)
+#: Rows (tokens) the byte count runs on: no other dim of a variant has this size, so it marks row tensors.
+COUNT_ROWS = 5
+
+#: Per-SM limits of the occupancy model (CUDA occupancy calculator values; the goals are set for 80 and 90).
+SM = {
+    80: dict(regs=65536, warps=64, blocks=32, smem=164 * 1024),
+    86: dict(regs=65536, warps=48, blocks=16, smem=100 * 1024),
+    89: dict(regs=65536, warps=48, blocks=24, smem=100 * 1024),
+    90: dict(regs=65536, warps=64, blocks=32, smem=228 * 1024),
+    100: dict(regs=65536, warps=64, blocks=32, smem=228 * 1024),
+}
+REG_UNIT, SMEM_UNIT, SMEM_RESERVED = 256, 128, 1024
+
+
+class Variant(NamedTuple):
+    """One kernel launch the package can make: ``rule`` "rescontroller" / "mgr", ``direction`` "fwd" / "bwd"."""
+    rule: str
+    direction: str
+    c: int
+    dtype: str
+    n: Optional[int] = None
+    kind: Optional[str] = None
+
+    def label(self) -> str:
+        extra = f" n={self.n} {self.kind}" if self.rule == "mgr" else ""
+        return f"{self.rule} {self.direction} C={self.c} {self.dtype}{extra}"
+
+
+def variants(cs, dtypes, ns, kinds, rules=("rescontroller", "mgr")) -> list[Variant]:
+    out = []
+    for rule in rules:
+        for direction in ("fwd", "bwd"):
+            for c in cs:
+                for dt in dtypes:
+                    if rule == "rescontroller":
+                        out.append(Variant(rule, direction, c, dt))
+                    else:
+                        out.extend(Variant(rule, direction, c, dt, n, k) for n in ns for k in kinds)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the launches, from the kernels' own launch code
+# ----------------------------------------------------------------------------------------------
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[name]
+
+
+def build(v: Variant, rows: int, device: str):
+    """``(launches, run)`` of variant ``v`` on ``rows`` rows (tokens): the kernel launches the launch code makes
+    for these tensors, and a function that runs the public op (for the byte count)."""
+    import torch
+
+    from lightning_resctl._triton import kernel_module
+
+    dt = _torch_dtype(v.dtype)
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype=dt):
+        if device == "meta":
+            return torch.empty(shape, dtype=dtype, device="meta")
+        return torch.randn(shape, generator=gen).to(dtype)
+
+    if v.rule == "rescontroller":
+        k = kernel_module("rescontroller")
+        r, u, g = rand(rows, v.c), rand(rows, v.c), rand(rows, v.c)
+        opts = (0.18, 1.08, 8.0, 8.0, 1e-12)
+        if v.direction == "fwd":
+            launches = [k.forward_launch(r, u, torch.empty_like(r), opts)]
+            return launches, lambda: k.rescontroller_fwd(r, u, *opts)
+        launches = [k.backward_launch(g, r, u, torch.empty_like(r), torch.empty_like(u), opts)]
+        return launches, lambda: k.rescontroller_bwd(g, r, u, *opts)
+    k = kernel_module("mgr")
+    gated = v.kind != "accumulating"
+    m = v.n if gated else v.n - 1
+    f32 = torch.float32
+    streams, u = rand(rows, m, v.c), rand(rows, v.c)
+    w = rand(v.c, dtype=f32)
+    q = rand(v.c, dtype=f32) if gated else None
+    cb = rand(v.n, dtype=f32) if gated else None
+    fb = rand(dtype=f32) if v.kind == "competitive" else None
+    eps = 1e-6
+    if v.direction == "fwd":
+        outs = (torch.empty(rows, v.n, v.c, dtype=dt, device=streams.device), torch.empty_like(u),
+                torch.empty(rows, m if gated else 0, dtype=f32, device=streams.device),
+                torch.empty(rows, v.n, dtype=f32, device=streams.device))
+        launches = [k.forward_launch(streams, u, w, q, cb, fb, eps, *outs)]
+        return launches, lambda: k.mgr_step(streams, u, w, q, cb, fb, eps)
+    beta = rand(rows, m if gated else 0, dtype=f32).softmax(-1) if gated else None
+    a = rand(rows, v.n, dtype=f32).softmax(-1)
+    grad_out, grad_h = rand(rows, v.n, v.c), rand(rows, v.c)
+    launch, _ = k.backward_launch(streams, u, beta, a, w, q, fb, grad_out, grad_h, eps,
+                                  torch.empty_like(streams), torch.empty_like(u))
+    return [launch], lambda: k.mgr_step_backward_raw(streams, u, beta, a, w, q, cb, fb, grad_out, grad_h, eps)
+
+
+def tile_of(launch) -> str:
+    meta = launch.meta
+    if "ROWS" in meta:
+        kind = "one read" if meta["SINGLE"] else "2 passes"
+        return f"{meta['ROWS']}x{meta['BLOCK']} {kind}"
+    kind = "one read" if meta["SINGLE"] else "2 passes"
+    return f"{meta['BLOCK_M']}x{meta['BLOCK_C']} {kind}"
+
+
+# ----------------------------------------------------------------------------------------------
+# ahead-of-time compile (worker processes without TRITON_INTERPRET)
+# ----------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _ptxas_log(ptx: str, cap: int, fp_fusion: bool) -> str:
+    """``ptxas -v`` on ``ptx`` with the flags Triton uses (the cubin Triton built is the same code; its log is
+    not kept), memoized: variants that differ only in values the JIT does not specialize on compile alike."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [get_ptxas(cap).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+               *([] if fp_fusion else ["--fmad=false"]), f"--gpu-name={sm_arch_from_capability(cap)}", src,
+               "-o", src + ".o"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"ptxas failed: {res.stderr[-2000:]}")
+        return res.stderr
+
+
+def compile_launch(launch, cap: int) -> dict:
+    """Compile one launch for ``sm_<cap>`` with the JIT's own specialization of its arguments; returns
+    registers, spill bytes, shared memory, warps, widest global load (bits), fp64 instruction count."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = launch.kernel
+    target = GPUTarget("cuda", cap, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(launch.meta)
+    bound, spec, opts = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    ptx = compiled.asm["ptx"]
+    log = _ptxas_log(ptx, cap, options.enable_fp_fusion)
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
+    stack = int(re.search(r"(\d+) bytes stack frame", log).group(1))
+    widths = [(int(vec or 1)) * int(bits)
+              for vec, bits in re.findall(r"ld\.global(?:\.[a-z_]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b", ptx)]
+    return dict(regs=regs, spill=spills, stack=stack, smem=int(compiled.metadata.shared), warps=options.num_warps,
+                ld_bits=max(widths, default=0), f64=len(re.findall(r"\.f64\b", ptx)))
+
+
+def occupancy(regs: int, smem: int, warps: int, cap: int) -> float:
+    """Theoretical occupancy: resident warps per SM / 64."""
+    sm = SM[cap]
+    regs_per_warp = math.ceil(regs * 32 / REG_UNIT) * REG_UNIT
+    by_regs = (sm["regs"] // regs_per_warp) // warps
+    by_smem = sm["smem"] // (math.ceil(smem / SMEM_UNIT) * SMEM_UNIT + SMEM_RESERVED)
+    blocks = min(by_regs, by_smem, sm["warps"] // warps, sm["blocks"])
+    return blocks * warps / sm["warps"]
+
+
+def aot_job(v: Variant, cap: int) -> dict:
+    t0 = time.perf_counter()
+    try:
+        launches, _ = build(v, 4096, "meta")
+        stats = [compile_launch(launch, cap) for launch in launches]
+        st = max(stats, key=lambda s: s["regs"])
+        st["spill"] = sum(s["spill"] for s in stats)
+        st["occupancy"] = min(occupancy(s["regs"], s["smem"], s["warps"], cap) for s in stats)
+        st["tile"] = ", ".join(tile_of(launch) for launch in launches)
+        st["error"] = None
+    except Exception as e:  # reported per variant, counted in the summary
+        st = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+    st["seconds"] = round(time.perf_counter() - t0, 2)
+    return st
+
+
+# ----------------------------------------------------------------------------------------------
+# bytes moved (worker processes with TRITON_INTERPRET=1)
+# ----------------------------------------------------------------------------------------------
+def count_bytes(v: Variant, rows: int = COUNT_ROWS) -> dict:
+    """Bytes the kernels of ``v`` load and store per row, counted in Triton's interpreter: ``moved`` on the
+    row tensors, ``minimum`` (each row tensor read or written once), ``other`` (parameters, partials)."""
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    _, run = build(v, rows, "cpu")
+    tensors: list = []  # (base, end, is_row, counter) of the current launch's tensor arguments
+    builder = interp.InterpreterBuilder
+    executor = interp.GridExecutor
+    orig = (builder.create_masked_load, builder.create_masked_store, executor.__call__)
+
+    def account(ptrs, mask, nbytes):
+        addr = np.asarray(ptrs.data).reshape(-1)[np.asarray(mask.data, dtype=bool).reshape(-1)]
+        for entry in tensors:
+            entry[3] += int(((addr >= entry[0]) & (addr < entry[1])).sum()) * nbytes
+
+    def load(self, ptrs, mask, other, *args):
+        account(ptrs, mask, ptrs.get_element_ty().primitive_bitwidth // 8)
+        return orig[0](self, ptrs, mask, other, *args)
+
+    def store(self, ptrs, value, mask, *args):
+        account(ptrs, mask, ptrs.get_element_ty().primitive_bitwidth // 8)
+        return orig[1](self, ptrs, value, mask, *args)
+
+    seen: dict = {}
+
+    def call(self, *args, **kwargs):
+        tensors.clear()
+        for a in args:
+            if hasattr(a, "data_ptr") and a.numel() > 0:
+                base = a.untyped_storage().data_ptr()
+                key = (base, a.untyped_storage().nbytes())
+                is_row = a.dim() > 0 and a.shape[0] == rows
+                if key not in seen:
+                    seen[key] = [base, base + key[1], is_row, 0]
+                if seen[key] not in tensors:
+                    tensors.append(seen[key])
+        return orig[2](self, *args, **kwargs)
+
+    builder.create_masked_load, builder.create_masked_store, executor.__call__ = load, store, call
+    try:
+        run()
+    finally:
+        builder.create_masked_load, builder.create_masked_store, executor.__call__ = orig
+    elt = _torch_dtype(v.dtype).itemsize
+    moved = sum(e[3] for e in seen.values() if e[2]) / rows
+    minimum = sum(e[1] - e[0] for e in seen.values() if e[2]) / rows
+    other = sum(e[3] for e in seen.values() if not e[2]) / rows
+    unit = v.c * elt
+    return dict(moved=moved / unit, minimum=minimum / unit, other=other / unit)
+
+
+def bytes_job(v: Variant) -> dict:
+    try:
+        return count_bytes(v)
+    except Exception as e:
+        return dict(error=f"{type(e).__name__}: {e}"[:300])
+
+
+# ----------------------------------------------------------------------------------------------
+# driver
+# ----------------------------------------------------------------------------------------------
+def _set_interpret(interpret: bool) -> None:
+    """Worker initializer: Triton's interpreter on or off (read when triton is first imported, which happens
+    after this: the workers import nothing of triton before their first job)."""
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
+
+
+def _pool(jobs: int, interpret: bool) -> cf.ProcessPoolExecutor:
+    """Fresh worker processes with Triton's interpreter on (byte counts) or off (compiles)."""
+    return cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_set_interpret,
+                                  initargs=(interpret,))
+
+
+def cuda_backend_missing() -> Optional[str]:
+    """Why ahead-of-time CUDA compiles cannot run here, or None."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        path = get_ptxas(90).path
+    except Exception as e:
+        return f"triton's CUDA backend is not available ({type(e).__name__}: {e})"
+    if not path or not os.path.exists(path):
+        return "ptxas is not available (triton's CUDA backend ships it in triton/backends/nvidia/bin)"
+    return None
+
+
+def device_arch() -> int:
+    """This machine's CUDA device as a compute capability of the occupancy model (e.g. 90 for an H100)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("--arch device: no CUDA device here")
+    major, minor = torch.cuda.get_device_capability()
+    cap = 10 * major + minor
+    if cap not in SM:
+        raise RuntimeError(f"--arch device: sm_{cap} is not in the occupancy model (known: {sorted(SM)})")
+    return cap
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--C", type=int, nargs="+", default=list(GRID_C), help="feature sizes (default: %(default)s)")
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    p.add_argument("--n", type=int, nargs="+", default=list(STREAMS), help="MGR streams (default: %(default)s)")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="MGR merge kinds")
+    p.add_argument("--rules", nargs="+", default=["rescontroller", "mgr"], choices=["rescontroller", "mgr"])
+    p.add_argument("--arch", nargs="+", default=[str(a) for a in ARCHS], choices=[*map(str, SM), "device"],
+                   help="compute capabilities (default: %(default)s); 'device': this machine's CUDA device")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
+    p.add_argument("--no-bytes", action="store_true", help="skip the byte count (compile only)")
+    p.add_argument("--json", type=Path, help="write every row and the summary as JSON")
+    args = p.parse_args(argv)
+    missing = cuda_backend_missing()
+    if missing:
+        print(f"kernels_aot: {missing}; nothing compiled")
+        return 2
+    try:
+        args.arch = sorted({device_arch() if a == "device" else int(a) for a in args.arch})
+    except RuntimeError as e:
+        print(f"kernels_aot: {e}")
+        return 2
+    vs = variants(args.C, args.dtypes, args.n, args.kinds, tuple(args.rules))
+    start = time.perf_counter()
+    with _pool(args.jobs, interpret=False) as aot_pool:
+        aot = {(v, cap): aot_pool.submit(aot_job, v, cap) for v in vs for cap in args.arch}
+        if args.no_bytes:
+            counted = {}
+        else:  # fp16 moves what bf16 moves (same launches, same element size): counted once
+            with _pool(args.jobs, interpret=True) as byte_pool:
+                futures = {v: byte_pool.submit(bytes_job, v) for v in vs
+                           if not (v.dtype == "fp16" and v._replace(dtype="bf16") in vs)}
+                counted = {v: f.result() for v, f in futures.items()}
+            counted.update({v: counted[v._replace(dtype="bf16")] for v in vs if v not in counted})
+        compiled = {key: f.result() for key, f in aot.items()}
+    rows = []
+    header = (f"{'variant':<46} {'arch':<5} {'tile':<20} {'warps':>5} {'regs':>4} {'spill':>5} {'smem':>6} "
+              f"{'occ':>5} {'ld':>4} {'f64':>3}  bytes/row (x C elt): moved / min, other")
+    print("AOT compile of the launch table (compiler output and an occupancy model, not a GPU measurement)")
+    print(header)
+    for v in vs:
+        by = counted.get(v, {})
+        for cap in args.arch:
+            st = compiled[(v, cap)]
+            row = dict(variant=v._asdict(), arch=f"sm_{cap}", **st, bytes=by)
+            rows.append(row)
+            if st.get("error"):
+                print(f"{v.label():<46} sm_{cap:<2} COMPILE FAILED: {st['error']}")
+                continue
+            if "error" in by:
+                btxt = f"count failed: {by['error']}"
+            elif by:
+                btxt = f"{by['moved']:.2f} / {by['minimum']:.2f}, {by['other']:.2f}"
+            else:
+                btxt = "-"
+            print(f"{v.label():<46} sm_{cap:<2} {st['tile']:<20} {st['warps']:>5} {st['regs']:>4} {st['spill']:>5} "
+                  f"{st['smem']:>6} {st['occupancy']:>5.0%} {st['ld_bits']:>4} {st['f64']:>3}  {btxt}")
+    summary = summarize(rows, vs, counted, args)
+    print(summary["line"])
+    print(f"({time.perf_counter() - start:.0f} s, {args.jobs} jobs)")
+    if args.json:
+        args.json.write_text(json.dumps(dict(rows=rows, summary=summary), indent=1))
+    return 0 if summary["ok"] else 1
+
+
+def summarize(rows, vs, counted, args) -> dict:
+    ok_rows = [r for r in rows if not r.get("error")]
+    failures = len(rows) - len(ok_rows)
+    spilled = sum(r["spill"] + r["stack"] for r in ok_rows)
+    spilling = sum(1 for r in ok_rows if r["spill"] or r["stack"])
+    occ = [r["occupancy"] for r in ok_rows]
+    low = sum(1 for o in occ if o < 0.25)
+    fp64 = sum(1 for r in ok_rows if r["f64"] and r["variant"]["dtype"] != "fp64")
+    counts = [b for b in counted.values() if b and "error" not in b]
+    count_failures = sum(1 for b in counted.values() if "error" in b)
+    minimal = sum(1 for b in counts if b["moved"] <= b["minimum"] * (1 + 1e-9))
+    worst = max((b["moved"] / b["minimum"] for b in counts), default=float("nan"))
+    over = sorted({(v.rule, v.direction, v.c) for v, b in counted.items()
+                   if b and "error" not in b and b["moved"] > b["minimum"] * (1 + 1e-9)})
+    archs = ", ".join(f"sm_{a}" for a in args.arch)
+    line = (f"AOT summary ({archs}; {len(rows)} compiled variants): {failures} compile failures, {spilled} spilled "
+            f"bytes ({spilling} variants), occupancy >= 25% in {len(occ) - low}/{len(occ)} (min "
+            f"{min(occ, default=float('nan')):.1%}), {fp64} with fp64 on a non-fp64 path")
+    if counted:
+        line += (f"; bytes moved = the minimum in {minimal}/{len(counts)} variants (worst {worst:.2f}x the minimum"
+                 f"{', byte count failed for ' + str(count_failures) if count_failures else ''})")
+        if over:
+            line += "; above the minimum: " + ", ".join(sorted({f"{r} {d} C>={min(c for rr, dd, c in over if (rr, dd) == (r, d))}"
+                                                                 for r, d, _ in over}))
+    ok = failures == 0 and spilled == 0 and low == 0 and count_failures == 0
+    return dict(line=line, ok=ok, failures=failures, spilled_bytes=spilled, low_occupancy=low,
+                min_occupancy=min(occ, default=None), minimal_bytes=minimal, counted=len(counts))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

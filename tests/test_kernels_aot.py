@@ -1,0 +1,130 @@
+"""benchmarks/kernels_aot.py: the ahead-of-time CUDA compile of a representative subset of the launch table
+(every kernel, its one-read and its two-pass path, sm_80 and sm_90, n=8) must compile, spill nothing and keep
+>= 25 % theoretical occupancy; the bytes the kernels move (counted in the interpreter) must be the rule's
+minimum on the one-read paths and the documented two reads on the others."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_resctl._triton import kernel_module
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "kernels_aot.py"
+
+
+def load_aot():
+    spec = importlib.util.spec_from_file_location("kernels_aot", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+aot = load_aot()
+
+
+def test_occupancy_model_matches_the_hardware_limits():
+    """Hand-computed from the per-SM limits (64K registers allocated per warp in units of 256, 64 warps,
+    32 blocks, 164 / 228 KiB shared memory with 1 KiB reserved per block)."""
+    assert aot.occupancy(32, 0, 4, 90) == 1.0  # 16 blocks of 4 warps
+    assert aot.occupancy(128, 0, 16, 80) == 0.25  # 128 x 32 x 16 = 64K registers: one block
+    assert aot.occupancy(129, 0, 4, 90) == 12 / 64  # 136 registers allocated: 15 warps, 3 blocks of 4
+    assert aot.occupancy(255, 0, 8, 90) == 0.125
+    assert aot.occupancy(16, 0, 1, 90) == 0.5  # 32 blocks of one warp
+    assert aot.occupancy(32, 100 * 1024, 4, 80) == 4 / 64  # one 101 KiB block per 164 KiB
+    assert aot.occupancy(32, 100 * 1024, 4, 90) == 8 / 64  # two per 228 KiB
+
+
+def test_launch_table_shapes():
+    """Over the benchmark's grid: short ResController rows go several to a program with >= 4 warps; every
+    program fits one SM's 64K registers at its register cap (else it could not launch); tiles are powers of
+    two; MGR tiles hold every stream."""
+    tiles = kernel_module("tiles")
+    for c in aot.GRID_C + (33, 777):
+        for elem in (2, 4):
+            for direction in ("forward", "backward"):
+                t = tiles.rescontroller_tile(c, elem, direction)
+                assert t.num_warps >= 4 and t.max_regs * 32 * t.num_warps <= 65536, (c, elem, t)
+                if c * elem <= 1024:
+                    assert t.rows > 1 and t.single, (c, elem, t)
+                assert t.block >= c if t.single else t.block < c
+                for n in aot.STREAMS:
+                    m = tiles.mgr_tile(c, n, elem, direction)
+                    assert m.block_m >= n and m.max_regs * 32 * m.num_warps <= 65536, (c, n, elem, m)
+                    assert m.block_c & (m.block_c - 1) == 0 and (m.block_c >= c) == m.single
+
+
+def test_subset_compiles_without_spills_at_quarter_occupancy(tmp_path):
+    """Every kernel on its one-read path (C=64) and its two-pass path (C=32768), both targets, bf16, n=8,
+    a gated and an accumulating MGR merge: no compile failure, no spill, occupancy >= 25 %."""
+    missing = aot.cuda_backend_missing()
+    if missing:
+        pytest.skip(missing)
+    out = tmp_path / "aot.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, str(SCRIPT), "--C", "64", "32768", "--dtypes", "bf16", "--n", "8",
+                          "--kinds", "competitive", "accumulating", "--no-bytes", "--jobs", "2", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    seen = set()
+    for row in rows:
+        v = row["variant"]
+        assert row["error"] is None, row
+        assert row["spill"] == 0 and row["stack"] == 0, row
+        assert row["occupancy"] >= 0.25, row
+        assert row["ld_bits"] == 128 and row["f64"] == 0, row  # 128-bit loads, no fp64 on a bf16 path
+        seen.add((v["rule"], v["direction"], row["arch"], "one read" in row["tile"]))
+    assert seen == {(rule, d, arch, single) for rule in ("rescontroller", "mgr") for d in ("fwd", "bwd")
+                    for arch in ("sm_80", "sm_90") for single in (True, False)}
+    assert "0 compile failures, 0 spilled bytes" in res.stdout
+
+
+def shrink_tables(monkeypatch):
+    """Small single-read limits, so that small rows reach the two-pass paths in the interpreter."""
+    tiles = kernel_module("tiles")
+    for entry in tiles.RESCONTROLLER.values():
+        monkeypatch.setitem(entry, "single_elems", 128)
+        monkeypatch.setitem(entry, "loop_block", 64)
+    for entry in tiles.MGR.values():
+        monkeypatch.setitem(entry, "single_elems", 512)
+        monkeypatch.setitem(entry, "loop_elems", 128)
+
+
+@pytest.mark.parametrize("c", [96, 200])
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_rescontroller_bytes_moved(monkeypatch, direction, c):
+    """Per row, in units of C elements: one read of each input and one write of each output (3 forward,
+    5 backward) when the row is read once (C=96); the inputs read twice on the two-pass path (C=200: 5, 8)."""
+    shrink_tables(monkeypatch)
+    got = aot.count_bytes(aot.Variant("rescontroller", direction, c, "fp32"))
+    inputs, outputs = (2, 1) if direction == "fwd" else (3, 2)
+    assert got["minimum"] == inputs + outputs
+    assert got["moved"] == (inputs + outputs if c <= 128 else 2 * inputs + outputs)
+    assert got["other"] == 0
+
+
+@pytest.mark.parametrize("kind", ["competitive", "accumulating"])
+@pytest.mark.parametrize("c", [40, 200])
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_mgr_bytes_moved(monkeypatch, direction, c, kind):
+    """Per token, in units of C elements (n=4): the rule's minimum when a token is one tile (C=40: 4 x 64
+    <= 512), the stream inputs read twice when it is tiled (C=200)."""
+    shrink_tables(monkeypatch)
+    n = 4
+    m = n if kind != "accumulating" else n - 1
+    got = aot.count_bytes(aot.Variant("mgr", direction, c, "fp32", n, kind))
+    gated = kind != "accumulating"
+    if direction == "fwd":  # read S, u; write S', h, beta (m fp32 when gated), a (n fp32)
+        row_inputs, minimum = m + 1, (m + 1) + (n + 1) + ((m if gated else 0) + n) / c
+    else:  # read S, u, dS', dh, beta, a; write dS, du
+        row_inputs, minimum = m + 1 + n + 1, (m + 1 + n + 1) + ((m if gated else 0) + n) / c + (m + 1)
+    assert got["minimum"] == pytest.approx(minimum, rel=1e-12)
+    extra = 0 if c == 40 else row_inputs  # C=40: one 4 x 64 tile; C=200: 4 x 256 > 512, tiled
+    assert got["moved"] == pytest.approx(minimum + extra, rel=1e-12)
