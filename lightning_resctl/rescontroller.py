@@ -41,8 +41,8 @@ import torch
 from torch import Tensor, nn
 
 from ._triton import triton_available
-from .backends import (BACKENDS, CompiledRegion, check_backend, cpu_compile_available, load_kernels,
-                       refuse_second_derivative, torch_mode, triton_runs_on_device)
+from .backends import (BACKENDS, CompiledMath, check_backend, load_kernels, refuse_second_derivative, torch_mode,
+                       triton_runs_on_device)
 
 __all__ = [
     "ControllerScales",
@@ -366,24 +366,8 @@ class _ResControllerFunction(torch.autograd.Function):
                 None, None, None, None, None, None, None)
 
 
-def _math_fns(mode: str):
-    """(forward, backward) math: eager torch ops, or their compiled region (mode "compiled")."""
-    if mode == "compiled":
-        compiled = _compiled_math()
-        if compiled is not None:
-            return compiled
-    return _lean_forward, _lean_backward
-
-
-_COMPILED: dict = {}
-
-
-def _compiled_math():
-    """The forward and backward math as compiled regions (built once), or None without a C++ compiler."""
-    if "fns" not in _COMPILED:
-        _COMPILED["fns"] = ((CompiledRegion(_lean_forward), CompiledRegion(_lean_backward))
-                            if cpu_compile_available() else None)
-    return _COMPILED["fns"]
+#: (forward, backward) math for a torch_mode: eager torch ops, or their compiled regions (lightning_resctl.backends)
+_math_fns = CompiledMath(_lean_forward, _lean_backward)
 
 
 def _rescontroller_torch(residual, update, ur, sr, ku, ks, eps, dim, backend="torch"):

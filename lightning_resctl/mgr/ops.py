@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..backends import CompiledRegion, cpu_compile_available, load_kernels, refuse_second_derivative
+from ..backends import CompiledMath, load_kernels, refuse_second_derivative
 from .inversion import output_streams, reconstruct_inputs
 from .reference import _compute_dtype
 
@@ -140,22 +140,13 @@ def _kernels():
     return load_kernels("mgr")
 
 
-_COMPILED: dict = {}
-
-
-def _torch_fns(mode: str):
-    """(forward, backward) of the torch path: eager ops, or one compiled region each (mode "compiled")."""
-    if mode == "compiled" and not torch.compiler.is_compiling():
-        if "fns" not in _COMPILED:
-            _COMPILED["fns"] = ((CompiledRegion(_torch_step_forward), CompiledRegion(_torch_step_backward))
-                                if cpu_compile_available() else None)
-        if _COMPILED["fns"] is not None:
-            return _COMPILED["fns"]
-    return _torch_step_forward, _torch_step_backward
+#: (forward, backward) of the torch path for a torch_mode: eager ops, or one compiled region each
+#: (lightning_resctl.backends)
+_torch_fns = CompiledMath(_torch_step_forward, _torch_step_backward)
 
 
 def _step_forward(backend: str, streams, u, next_query, gate_query, gate_bias, forget_bias, eps):
-    """``backend``: "triton", or the torch path's mode ("eager" / "compiled")."""
+    """``backend``: "triton", or the torch path's mode ("eager" / "compiled" / "background")."""
     if backend == "triton":
         out, h, beta, a = _kernels().mgr_step_forward_raw(streams, u, next_query, gate_query, gate_bias, forget_bias,
                                                           eps)
