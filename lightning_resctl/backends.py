@@ -36,7 +36,7 @@ from ._triton import interpreter_mode, kernel_module, triton_available
 
 __all__ = ["BACKENDS", "ALIASES", "check_backend", "load_kernels", "triton_runs_on_device", "cpu_compile_available",
            "torch_mode", "CompiledMath", "CompiledRegion", "COMPILE_ENV", "COMPILE_LOCK", "refuse_second_derivative",
-           "trace_region", "wait_for_compiles"]
+           "trace_region", "wait_for_compiles", "opaque_under_compile", "op_outputs"]
 
 #: Backend names every merge rule accepts.
 BACKENDS = ("auto", "torch", "triton", "native", "torch-eager", "torch-compiled")
@@ -119,6 +119,38 @@ def torch_mode(backend: str, tensor) -> str:
         return "compiled"
     on_cpu = tensor is None or tensor.device.type == "cpu"
     return "background" if on_cpu and cpu_compile_available() else "eager"
+
+
+def opaque_under_compile() -> bool:
+    """Whether a rule's torch path runs as one opaque op (``torch.library.custom_op``) per direction: under
+    ``torch.compile`` but not ``torch.export`` (whose programs must stay plain aten ops). Dynamo, AOTAutograd and
+    inductor then do not trace the per-merge math (which ran at every merge site of the model: about twice the
+    graph of the unpatched model); at run time the op runs the math as :func:`torch_mode` says for the backend (the
+    compiled regions on CPU)."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+
+
+def op_outputs(fn, *args, fake: bool = False) -> tuple:
+    """``fn(*args)`` (a tuple of tensors and None) as a custom op's implementation returns it: run without autograd
+    (the op's registered backward differentiates it), None replaced by an empty tensor, every output contiguous
+    (the eager math and its compiled region may lay a view out differently; the fake implementation must say what
+    the real one returns), and every output that shares storage with an input or an earlier output copied (an op
+    returns fresh tensors). ``fake=True``: for the op's fake implementation, which runs ``fn`` on fake tensors."""
+    with torch.no_grad():
+        outs = fn(*args)
+    first = next(a for a in args if isinstance(a, torch.Tensor))
+    taken = set() if fake else {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    fresh = []
+    for t in outs:
+        if t is None:
+            t = first.new_empty((0,))
+        elif not fake and t.untyped_storage().data_ptr() in taken:
+            t = t.clone(memory_format=torch.contiguous_format)
+        t = t.contiguous()
+        if not fake:
+            taken.add(t.untyped_storage().data_ptr())
+        fresh.append(t)
+    return tuple(fresh)
 
 
 class CompiledMath:

@@ -41,8 +41,8 @@ import torch
 from torch import Tensor, nn
 
 from ._triton import triton_available
-from .backends import (BACKENDS, CompiledMath, check_backend, load_kernels, refuse_second_derivative, torch_mode,
-                       triton_runs_on_device)
+from .backends import (BACKENDS, CompiledMath, check_backend, load_kernels, op_outputs, opaque_under_compile,
+                       refuse_second_derivative, torch_mode, triton_runs_on_device)
 
 __all__ = [
     "ControllerScales",
@@ -371,8 +371,55 @@ _math_fns = CompiledMath(_lean_forward, _lean_backward)
 
 
 def _rescontroller_torch(residual, update, ur, sr, ku, ks, eps, dim, backend="torch"):
+    if opaque_under_compile():
+        return _rescontroller_op(residual, update, ur, sr, ku, ks, eps, dim, backend)[0]
     mode = torch_mode(backend, residual)
     return _ResControllerFunction.apply(residual, update, ur, sr, ku, ks, eps, dim, mode)
+
+
+# Under torch.compile: the same forward / backward math as two opaque ops (lightning_resctl.backends.
+# opaque_under_compile), run as torch_mode(backend) says when the compiled model runs.
+@torch.library.custom_op("lightning_resctl::rescontroller_torch", mutates_args=())
+def _rescontroller_op(residual: Tensor, update: Tensor, ur: float, sr: float, ku: float, ks: float, eps: float,
+                      dim: int, backend: str) -> tuple[Tensor, Tensor]:
+    """``(out, stats)`` of :func:`_lean_forward`."""
+    fwd, _ = _math_fns(torch_mode(backend, residual))
+    return op_outputs(fwd, residual, update, ur, sr, ku, ks, eps, dim)
+
+
+@_rescontroller_op.register_fake
+def _(residual, update, ur, sr, ku, ks, eps, dim, backend):
+    return op_outputs(_lean_forward, residual, update, ur, sr, ku, ks, eps, dim, fake=True)
+
+
+@torch.library.custom_op("lightning_resctl::rescontroller_torch_backward", mutates_args=())
+def _rescontroller_backward_op(grad_out: Tensor, residual: Tensor, update: Tensor, stats: Tensor, ur: float,
+                               sr: float, ku: float, ks: float, eps: float, dim: int,
+                               backend: str) -> tuple[Tensor, Tensor]:
+    """``(grad_r, grad_u)`` of :func:`_lean_backward`."""
+    _, bwd = _math_fns(torch_mode(backend, residual))
+    return op_outputs(bwd, grad_out, residual, update, stats, ur, sr, ku, ks, eps, dim)
+
+
+@_rescontroller_backward_op.register_fake
+def _(grad_out, residual, update, stats, ur, sr, ku, ks, eps, dim, backend):
+    return op_outputs(_lean_backward, grad_out, residual, update, stats, ur, sr, ku, ks, eps, dim, fake=True)
+
+
+def _op_setup_context(ctx, inputs, output):
+    residual, update, *opts = inputs
+    ctx.save_for_backward(residual, update, output[1])
+    ctx.opts = opts
+    ctx.mark_non_differentiable(output[1])
+
+
+def _op_backward(ctx, grad_out, _grad_stats):
+    residual, update, stats = ctx.saved_tensors
+    grad_r, grad_u = _rescontroller_backward_op(grad_out, residual, update, stats, *ctx.opts)
+    return grad_r, grad_u, None, None, None, None, None, None, None
+
+
+_rescontroller_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 @torch.compiler.assume_constant_result
