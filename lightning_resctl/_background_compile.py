@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import importlib.util
 import itertools
 import os
 import pickle
@@ -163,12 +164,14 @@ class BackgroundCompiler:
 
 
 _COMPILER: dict = {}
+#: this torch can save what inductor compiled and load it in another process (torch >= 2.8)
+_CAN_SAVE = importlib.util.find_spec("torch._inductor.standalone_compile") is not None
 
 
 def compiler_for(fn) -> Optional[BackgroundCompiler]:
     """This process's :class:`BackgroundCompiler` (a forked child gets its own) when ``fn`` can be compiled in
     the background (importable by name; this torch can save compiled artifacts), else None."""
-    if not _importable(fn) or not hasattr(torch._inductor, "standalone_compile"):
+    if not _importable(fn) or not _CAN_SAVE:
         return None
     compiler = _COMPILER.get("it")
     if compiler is None or compiler.pid != os.getpid():
@@ -180,6 +183,7 @@ def compiler_for(fn) -> Optional[BackgroundCompiler]:
 # child side
 # ----------------------------------------------------------------------------------------------
 def _compile(job: dict) -> dict:
+    import torch._inductor
     from torch.utils._pytree import treespec_dumps
 
     from .backends import COMPILE_LOCK, _COMPILED_DEVICES, _flatten, _rebuild, trace_region

@@ -392,9 +392,9 @@ class CompiledRegion:
         tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # the compiled code reads rows
         entry = self._lookup(sig, tensors)
         if entry is None and (future := self.pending.get(sig)) is not None:
-            if not future.done():
+            if background and not future.done():
                 return self.fn(*args)
-            entry = self._collect(sig, tensors)
+            entry = self._collect(sig, tensors)  # (a call that compiles before returning waits for it)
         if entry is None:
             if background and _background_compiler_for(self.fn, tensors) is not None:
                 self._submit(sig, args, tensors)
@@ -440,7 +440,7 @@ class CompiledRegion:
             if not self._room():
                 return None
             _notice("compile", f"lightning_resctl: compiling {self.__name__} (and the other merge math) with "
-                               "inductor before the first step; the first compile in a process takes seconds, "
+                               "inductor before the call returns; the first compile in a process takes seconds, "
                                "more with a cold cache (backend='torch-eager' or LIGHTNING_RESCTL_COMPILE=0 "
                                "skips compiling)")
             t0 = time.perf_counter()
