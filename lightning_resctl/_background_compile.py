@@ -229,7 +229,7 @@ def main() -> None:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt the answers
     try:
         os.nice(NICE)
-    except OSError:
+    except (OSError, AttributeError):  # no os.nice on Windows
         pass
     torch.set_num_threads(1)
     while True:
