@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from lightning_resctl.backends import wait_for_compiles  # noqa: E402
 from lightning_resctl.callbacks import ResidualControlCallback  # noqa: E402
 from lightning_resctl.diagnostics import ResidualMonitor  # noqa: E402
 from lightning_resctl.surgery import patch_residuals  # noqa: E402
@@ -208,6 +209,8 @@ def main(argv=None):
     log_idx = {i for i in range(args.steps) if (i + 1) % args.every == 0}
     without, with_, own = [], [], []
     run(args, False, state)  # warm-up (allocator, kernels, imports)
+    wait_for_compiles()  # the torch paths compile in the background on CPU: time the compiled steady state
+    run(args, False, state)
     for rep in range(args.reps):  # alternate the order (ABBA...) so that drift on a shared machine cancels
         for with_cb in ((False, True) if rep % 2 == 0 else (True, False)):
             (with_ if with_cb else without).append(run(args, with_cb, state))

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_resctl._triton import triton_available
+from lightning_resctl.backends import wait_for_compiles
 from lightning_resctl.memory import saved_tensor_bytes
 from lightning_resctl.mgr import MGRChain, mgr_step_reference
 
@@ -31,7 +32,10 @@ CLOCK = time.perf_counter
 
 
 def timer(fn, reps: int, device: torch.device) -> float:
-    """Seconds of ``fn()`` over ``reps`` runs after 3 warm-up runs: best on CPU, median on GPU."""
+    """Seconds of ``fn()`` over ``reps`` runs after 3 warm-up runs (and the background compiles of the torch path
+    on CPU): best on CPU, median on GPU."""
+    fn()
+    wait_for_compiles()
     for _ in range(3):
         fn()
     times = []

@@ -6,9 +6,10 @@ Every rule accepts the same names:
 * ``"torch"``  — the torch path (fused torch ops with a closed-form backward);
 * ``"triton"`` — the fused Triton kernels (``"native"`` is an alias, for users coming from MLBricks);
 * ``"torch-eager"`` / ``"torch-compiled"`` — the torch path with its per-merge math run op by op, or as one
-  inductor-compiled region per direction. ``"torch"`` (and ``"auto"`` off CUDA) compiles on CPU when a C++
-  compiler is present (:func:`cpu_compile_available`; ``LIGHTNING_RESCTL_COMPILE=0`` turns it off), and falls
-  back to eager with a warning if compiling fails.
+  inductor-compiled region per direction (:class:`CompiledRegion`), compiled before the first call returns.
+  ``"torch"`` (and ``"auto"`` off CUDA) uses the same regions on CPU when a C++ compiler is present
+  (:func:`cpu_compile_available`; ``LIGHTNING_RESCTL_COMPILE=0`` turns it off), compiled in a background process
+  while the math runs eagerly (:func:`torch_mode`); a signature whose compile fails runs eagerly, with a warning.
 
 A rule may accept extra names of its own (MGR: ``"reference"``, the plain-autograd oracle).
 """
@@ -18,19 +19,24 @@ import functools
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
+import weakref
 from types import ModuleType
 from typing import Callable, Optional
 
 import torch
+import torch.fx._symbolic_trace as fx_symbolic_trace
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
 
+from ._logging import rank_zero_line
 from ._triton import interpreter_mode, kernel_module, triton_available
 
 __all__ = ["BACKENDS", "ALIASES", "check_backend", "load_kernels", "triton_runs_on_device", "cpu_compile_available",
-           "torch_mode", "CompiledRegion", "COMPILE_ENV", "refuse_second_derivative"]
+           "torch_mode", "CompiledMath", "CompiledRegion", "COMPILE_ENV", "COMPILE_LOCK", "refuse_second_derivative",
+           "trace_region", "wait_for_compiles", "opaque_under_compile", "op_outputs"]
 
 #: Backend names every merge rule accepts.
 BACKENDS = ("auto", "torch", "triton", "native", "torch-eager", "torch-compiled")
@@ -101,14 +107,70 @@ def cpu_compile_available() -> bool:
 
 def torch_mode(backend: str, tensor) -> str:
     """How the torch path runs for ``backend`` ("torch", "torch-eager", "torch-compiled") on ``tensor``:
-    "compiled" (one inductor region per direction) or "eager". "torch" compiles on CPU when
-    :func:`cpu_compile_available`; under an outer ``torch.compile`` the math is traced by it either way."""
+
+    * "eager" — op by op (``"torch-eager"``; ``"torch"`` off CPU or without a C++ compiler; always under an
+      outer ``torch.compile``, which traces the math itself);
+    * "compiled" — one inductor region per direction, compiled before the call returns (``"torch-compiled"``);
+    * "background" — the same regions, compiled in a background process while the math runs eagerly
+      (``"torch"`` on CPU when :func:`cpu_compile_available`): the first steps never wait for a compiler."""
     if backend == "torch-eager" or torch.compiler.is_compiling():
         return "eager"
     if backend == "torch-compiled":
         return "compiled"
     on_cpu = tensor is None or tensor.device.type == "cpu"
-    return "compiled" if on_cpu and cpu_compile_available() else "eager"
+    return "background" if on_cpu and cpu_compile_available() else "eager"
+
+
+def opaque_under_compile() -> bool:
+    """Whether a rule's torch path runs as one opaque op (``torch.library.custom_op``) per direction: under
+    ``torch.compile`` but not ``torch.export`` (whose programs must stay plain aten ops). Dynamo, AOTAutograd and
+    inductor then do not trace the per-merge math (which ran at every merge site of the model: about twice the
+    graph of the unpatched model); at run time the op runs the math as :func:`torch_mode` says for the backend (the
+    compiled regions on CPU)."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+
+
+def op_outputs(fn, *args, fake: bool = False) -> tuple:
+    """``fn(*args)`` (a tuple of tensors and None) as a custom op's implementation returns it: run without autograd
+    (the op's registered backward differentiates it), None replaced by an empty tensor, every output contiguous
+    (the eager math and its compiled region may lay a view out differently; the fake implementation must say what
+    the real one returns), and every output that shares storage with an input or an earlier output copied (an op
+    returns fresh tensors). ``fake=True``: for the op's fake implementation, which runs ``fn`` on fake tensors."""
+    with torch.no_grad():
+        outs = fn(*args)
+    first = next(a for a in args if isinstance(a, torch.Tensor))
+    taken = set() if fake else {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    fresh = []
+    for t in outs:
+        if t is None:
+            t = first.new_empty((0,))
+        elif not fake and t.untyped_storage().data_ptr() in taken:
+            t = t.clone(memory_format=torch.contiguous_format)
+        t = t.contiguous()
+        if not fake:
+            taken.add(t.untyped_storage().data_ptr())
+        fresh.append(t)
+    return tuple(fresh)
+
+
+class CompiledMath:
+    """A rule's torch-path math functions (e.g. forward and backward) and their :class:`CompiledRegion` s, made
+    on first use (one set per process, shared by every model): ``CompiledMath(fwd, bwd)(mode)`` returns the
+    callables for a :func:`torch_mode` — the plain functions for "eager" (or without a C++ compiler), the regions
+    for "compiled", the regions' :meth:`CompiledRegion.background` for "background"."""
+
+    def __init__(self, *fns):
+        self.fns = fns
+        self.regions: Optional[tuple] = None
+
+    def __call__(self, mode: str) -> tuple:
+        if mode not in ("compiled", "background") or torch.compiler.is_compiling() or not cpu_compile_available():
+            return self.fns
+        if self.regions is None:
+            self.regions = tuple(CompiledRegion(fn) for fn in self.fns)
+        if mode == "compiled":
+            return self.regions
+        return tuple(region.background for region in self.regions)
 
 
 def _flatten(args, tensors: list) -> Optional[tuple]:
@@ -134,36 +196,72 @@ def _flatten(args, tensors: list) -> Optional[tuple]:
     return tuple(out)
 
 
-def _rebuild(template, tensors):
-    """``template`` (the first call's arguments) with its tensors replaced, in order, from the iterator ``tensors``."""
+def _rebuild(template, tensors, slot=torch.Tensor):
+    """``template`` (a call's arguments) with its ``slot`` instances (tensors) replaced, in order, from the
+    iterator ``tensors``."""
     out = []
     for a in template:
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, slot):
             out.append(next(tensors))
         elif isinstance(a, (tuple, list)):
-            out.append(type(a)(_rebuild(a, tensors)))
+            out.append(type(a)(_rebuild(a, tensors, slot)))
         else:
             out.append(a)
     return out
 
 
-def _size_guard(examples: list) -> Callable[[list], bool]:
-    """A check ``guard(tensors) -> bool`` that the sizes of ``tensors`` satisfy what the symbolic trace assumed of
-    its example inputs ``examples`` (fake tensors): sizes it specialized (0, 1, a constant the math fixed, e.g. by
-    ``math.sqrt(C)``), sizes it saw equal, and bounds (e.g. ``n >= 2``). Strides and storage offsets are left out:
-    the compiled code is only given contiguous tensors, whose strides follow from their sizes."""
+def _guard_text(examples: list) -> str:
+    """The sizes of ``examples`` (the fake tensors of a symbolic trace) that the trace assumed, as a Python
+    expression over ``t`` (the list of tensors of a call): sizes it specialized (0, 1, a constant the math fixed,
+    e.g. by ``math.sqrt(C)``), sizes it saw equal, and bounds (e.g. ``n >= 2``). Strides and storage offsets are
+    left out: the compiled code is only given contiguous tensors, whose strides follow from their sizes."""
     from torch._guards import detect_fake_mode
-    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
     code = detect_fake_mode(examples).shape_env.produce_guards_expression(examples, ignore_static=False)
     terms = [t for t in (code.split(" and ") if code else ()) if "stride()" not in t and "storage_offset()" not in t]
     body = " and ".join("(" + _SIZE_REF.sub(r"t[\1].shape[\2]", t) + ")" for t in terms) or "True"
     if "L[" in body:
         raise RuntimeError(f"unexpected guard in the traced graph: {body}")
-    return eval(f"lambda t: {body}", dict(SYMPY_INTERP))  # noqa: S307 - built from the trace's own guards
+    return body
+
+
+def _guard_from_text(body: str) -> Callable[[list], bool]:
+    """``guard(tensors) -> bool`` from :func:`_guard_text` (a few integer comparisons per call)."""
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    return eval(f"lambda t: {body}", dict(SYMPY_INTERP))  # noqa: S307 - built from a trace's own guards
 
 
 _SIZE_REF = re.compile(r"L\['t(\d+)'\]\.size\(\)\[(\d+)\]")
+
+
+def trace_region(fn, args, tensors: list):
+    """Trace ``fn(*args)`` (its tensors replaced by ``tensors``, in order) with symbolic sizes (``make_fx``).
+
+    Returns ``(graph, examples, guard_text, out_spec)``: the graph returns the tensors among the flat leaves of
+    ``fn``'s output (:func:`_unflatten` with ``out_spec`` rebuilds the output, its other leaves — None, Python
+    scalars — as they were), ``examples`` are its fake inputs, ``guard_text`` the sizes it assumed
+    (:func:`_guard_text`). Call it holding :data:`COMPILE_LOCK`."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    spec: list = []
+
+    def flat(*ts):
+        leaves, tree = tree_flatten(fn(*_rebuild(args, iter(ts))))
+        kinds = tuple(isinstance(leaf, torch.Tensor) for leaf in leaves)
+        spec.append((tree, kinds, tuple(None if k else leaf for k, leaf in zip(kinds, leaves))))
+        return tuple(leaf for leaf, k in zip(leaves, kinds) if k)
+
+    graph = make_fx(flat, tracing_mode="symbolic")(*tensors)
+    examples = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")]
+    return graph, examples, _guard_text(examples), spec[-1]
+
+
+def _unflatten(outs, out_spec):
+    """The output of the traced function from its graph's tensors ``outs`` (see :func:`trace_region`)."""
+    tree, kinds, constants = out_spec
+    it = iter(outs)
+    return tree_unflatten([next(it) if k else c for k, c in zip(kinds, constants)], tree)
 
 
 _COMPILED_DEVICES = ("cpu", "cuda")
@@ -174,15 +272,54 @@ def _ambient() -> tuple:
     return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _COMPILED_DEVICES)
 
 
+def _under_a_tracer() -> bool:
+    """``torch.jit.trace`` (and the ONNX exporter built on it), ``torch.export`` or FX symbolic tracing is
+    recording the ops: they must see the eager math, not a call into compiled code."""
+    return torch.jit.is_tracing() or torch.compiler.is_exporting() or fx_symbolic_trace.is_fx_symbolic_tracing()
+
+
 def _plain_call(tensors: list) -> bool:
     """Whether compiled code may stand in for the eager math here: plain tensors on CPU / CUDA, no autograd to
-    record, and no dispatch or function mode active (e.g. Lightning's FLOP counter, a fake-tensor mode)."""
+    record, no dispatch or function mode active (e.g. Lightning's FLOP counter, a fake-tensor mode), no tracer
+    recording (:func:`_under_a_tracer`)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     if any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type not in _COMPILED_DEVICES
            for t in tensors):
         return False
-    return _current_dispatch_mode() is None and not torch._C._is_torch_function_mode_enabled()
+    return (_current_dispatch_mode() is None and not torch._C._is_torch_function_mode_enabled()
+            and not _under_a_tracer())
+
+
+#: Held around every trace and compile of every region of this process: ``make_fx`` and inductor keep
+#: process-wide state (torch.fx's "is tracing" flag, the patcher), so two traces at once corrupt it.
+COMPILE_LOCK = threading.RLock()
+_REGIONS: "weakref.WeakSet[CompiledRegion]" = weakref.WeakSet()
+_NOTICES: set = set()
+
+
+def _notice(kind: str, msg: str) -> None:
+    """``msg`` once per process and ``kind`` on the package logger (INFO; stderr when nothing configured
+    logging)."""
+    if kind not in _NOTICES:
+        _NOTICES.add(kind)
+        rank_zero_line(msg)
+
+
+def _describe(sig) -> str:
+    """A signature as a reader sees it: ``(float32 3-d cpu, float32 3-d cpu, 0.18, -1)``, plus the autocast
+    state."""
+    key, ambient = sig
+
+    def one(k):
+        if len(k) == 3 and isinstance(k[0], torch.dtype):
+            return f"{str(k[0]).replace('torch.', '')} {k[2]}-d {k[1]}"
+        if k[0] in (tuple, list):
+            return "(" + ", ".join(one(i) for i in k[1]) + ")"
+        return repr(k[1])
+
+    casts = [f"autocast {d} {str(dt).replace('torch.', '')}" for d, (on, dt) in zip(_COMPILED_DEVICES, ambient) if on]
+    return "(" + ", ".join(one(k) for k in key) + ")" + ("".join(" under " + c for c in casts))
 
 
 class CompiledRegion:
@@ -191,90 +328,212 @@ class CompiledRegion:
 
     Calls are grouped by signature: the arguments' structure and non-tensor values (baked into the graph as
     constants), each tensor's dtype, device type and rank (strided views are passed as contiguous copies), and the
-    autocast state. The first call of a signature traces ``fn`` with symbolic sizes (``make_fx``) and compiles the
-    graph (``compile_fx``); the trace's assumptions about sizes (:func:`_size_guard`) are checked on every call, so one
+    autocast state. A signature is traced with symbolic sizes (``make_fx``, :func:`trace_region`) and compiled
+    (inductor); the trace's assumptions about sizes (:func:`_guard_text`) are checked on every call, so one
     compile serves every batch size and sequence length it holds for, and another size pattern compiles its own
     graph. The check is a few integer comparisons (dynamo's per-call guard evaluation costs tens of microseconds,
     which a training step pays per merge).
 
-    Falls back to eager ``fn``, always with the same result:
+    Two ways to call it, sharing the compiled graphs:
+
+    * ``region(*args)`` compiles a new signature before returning (seconds, more with a cold inductor cache;
+      a one-line notice says so the first time in a process);
+    * ``region.background(*args)`` never waits for a compiler: a new signature is queued to one background
+      process per Python process (:mod:`lightning_resctl._background_compile`; lower CPU priority, the same
+      inductor cache) and ``fn`` runs eagerly until its graph is ready, then the compiled graph is loaded at the
+      next call of that signature. :func:`wait_for_compiles` waits for the queue (benchmarks).
+      ``fn`` must be importable by its module and qualified name; others compile as ``region(*args)`` does.
+
+    Every trace and compile of the process holds :data:`COMPILE_LOCK`, so first calls from several threads
+    compile one after another. Falls back to eager ``fn``, always with the same result:
 
     * under grad mode with an input that requires grad (autograd then records the eager ops), for tensor
       subclasses or devices other than CPU / CUDA, while a dispatch or function mode is active (a FLOP counter,
-      fake tensors), and past ``max_graphs`` compiled graphs (silently: the math is the same, only slower);
-    * after a failed compile or run: a warning is issued once and ``fn`` runs eagerly from then on (a genuine
-      error of the inputs is then raised by the eager call).
+      fake tensors), and while ``torch.jit.trace`` / ONNX export / ``torch.export`` / FX tracing records the ops;
+    * past ``max_graphs`` compiled graphs (a warning, once per region: the math is the same, only slower; MGR with
+      n streams needs n + 3 graphs per dtype and size pattern, its accumulating steps specializing on the stream
+      count);
+    * for a signature whose compile or compiled run failed (a warning, once per signature, naming it; other
+      signatures still compile). A genuine error of the inputs is then raised by the eager call.
 
-    ``first_call_s`` records the wall time of the first compiled call (which holds the compile)."""
+    ``failed`` maps each failed signature (described) to its error; ``first_call_s`` is the wall time of the
+    first call that compiled before returning."""
 
-    def __init__(self, fn, max_graphs: int = 8):
+    def __init__(self, fn, max_graphs: int = 16):
         self.fn = fn
         self.max_graphs = max_graphs
         self.entries: dict = {}  # signature -> [(compiled, out_spec, guard), ...]
+        self.pending: dict = {}  # signature -> background compile (a Future), one at a time per signature
+        self.failed: dict = {}   # described signature -> error
+        self._failed_sigs: set = set()
         self.num_graphs = 0
-        self.failed: Optional[str] = None
         self.first_call_s: Optional[float] = None
+        self._warned_limit = False
         functools.update_wrapper(self, fn)
+        _REGIONS.add(self)
 
     def __call__(self, *args):
-        if self.failed is not None:
-            return self.fn(*args)
+        return self._call(args, False)
+
+    def background(self, *args):
+        """Like calling the region, but a signature without a compiled graph runs ``fn`` eagerly while its graph
+        is compiled in the background process (see the class docstring)."""
+        return self._call(args, True)
+
+    # ------------------------------------------------------------------ call path
+    def _call(self, args, background: bool):
         tensors: list = []
         key = _flatten(args, tensors)
         if key is None or not _plain_call(tensors):
             return self.fn(*args)
-        tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # the compiled code reads rows
-        graphs = self.entries.setdefault((key, _ambient()), [])
-        for entry in graphs:
-            if entry[2](tensors):
-                return self._run(entry, args, tensors)
-        if self.num_graphs >= self.max_graphs:
+        sig = (key, _ambient())
+        if sig in self._failed_sigs:
             return self.fn(*args)
-        t0 = time.perf_counter()
-        entry = self._compile(args, tensors)
+        tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # the compiled code reads rows
+        entry = self._lookup(sig, tensors)
+        if entry is None and (future := self.pending.get(sig)) is not None:
+            if background and not future.done():
+                return self.fn(*args)
+            entry = self._collect(sig, tensors)  # (a call that compiles before returning waits for it)
+        if entry is None:
+            if background and _background_compiler_for(self.fn, tensors) is not None:
+                self._submit(sig, args, tensors)
+                return self.fn(*args)
+            entry = self._compile_now(sig, args, tensors)
         if entry is None:
             return self.fn(*args)
-        graphs.append(entry)
-        self.num_graphs += 1
-        out = self._run(entry, args, tensors)
-        if self.first_call_s is None:
-            self.first_call_s = time.perf_counter() - t0
-        return out
+        return self._run(sig, entry, args, tensors)
 
-    def _run(self, entry, args, tensors):
+    def _lookup(self, sig, tensors):
+        for entry in self.entries.get(sig, ()):
+            if entry[2](tensors):
+                return entry
+        return None
+
+    def _room(self) -> bool:
+        if self.num_graphs + len(self.pending) < self.max_graphs:
+            return True
+        if not self._warned_limit:
+            self._warned_limit = True
+            warnings.warn(f"lightning_resctl: {self.__name__} has compiled its limit of {self.max_graphs} graphs "
+                          f"(one per call signature and size pattern); calls needing another graph run eagerly "
+                          f"(same result, slower)", RuntimeWarning, stacklevel=5)
+        return False
+
+    def _run(self, sig, entry, args, tensors):
         compiled, out_spec, _ = entry
         try:
             outs = compiled(*tensors)
-        except Exception as err:  # noqa: BLE001 - any failure of the compiled code: fall back to the eager math
-            self._fail(err)
+        except Exception as err:  # noqa: BLE001 - any failure of the compiled code: eager for this signature
+            self._fail(sig, err)
             return self.fn(*args)
-        return tree_unflatten(list(outs), out_spec)
+        return _unflatten(outs, out_spec)
 
-    def _compile(self, args, tensors):
+    # ------------------------------------------------------------------ compiling before returning
+    def _compile_now(self, sig, args, tensors):
         from torch._inductor.compile_fx import compile_fx
-        from torch.fx.experimental.proxy_tensor import make_fx
 
-        spec: list = []
+        with COMPILE_LOCK:
+            entry = self._lookup(sig, tensors)  # another thread may have compiled it meanwhile
+            if entry is not None or sig in self._failed_sigs:
+                return entry
+            if not self._room():
+                return None
+            _notice("compile", f"lightning_resctl: compiling {self.__name__} (and the other merge math) with "
+                               "inductor before the call returns; the first compile in a process takes seconds, "
+                               "more with a cold cache (backend='torch-eager' or LIGHTNING_RESCTL_COMPILE=0 "
+                               "skips compiling)")
+            t0 = time.perf_counter()
+            try:
+                graph, examples, text, out_spec = trace_region(self.fn, args, tensors)
+                guard = _guard_from_text(text)
+                if not guard(tensors):
+                    raise RuntimeError("the trace's size guard rejects its own example inputs")
+                entry = (compile_fx(graph, examples), out_spec, guard)
+            except Exception as err:  # noqa: BLE001 - any compiler failure: eager for this signature
+                self._fail(sig, err)
+                return None
+            self.entries.setdefault(sig, []).append(entry)
+            self.num_graphs += 1
+            if self.first_call_s is None:
+                self.first_call_s = time.perf_counter() - t0
+            return entry
 
-        def flat(*ts):
-            leaves, out_spec = tree_flatten(self.fn(*_rebuild(args, iter(ts))))
-            spec.append(out_spec)
-            return tuple(leaves)
+    # ------------------------------------------------------------------ compiling in the background
+    def _submit(self, sig, args, tensors) -> None:
+        with COMPILE_LOCK:
+            if sig in self.pending or not self._room():
+                return
+            compiler = _background_compiler_for(self.fn, tensors)
+            _notice("background", f"lightning_resctl: compiling {self.__name__} (and the other merge math) in a "
+                                  "background process; the merges run eagerly until it is ready")
+            self.pending[sig] = compiler.submit(self.fn, args, sig[1])
 
-        try:
-            graph = make_fx(flat, tracing_mode="symbolic")(*tensors)
-            examples = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")]
-            guard = _size_guard(examples)
-            if not guard(tensors):
-                raise RuntimeError("the trace's size guard rejects its own example inputs")
-            return compile_fx(graph, examples), spec[-1], guard
-        except Exception as err:  # noqa: BLE001 - any compiler failure: fall back to the eager math
-            self._fail(err)
-            return None
+    def _collect(self, sig, tensors):
+        """Load the finished background compile of ``sig``; its entry if it serves ``tensors``."""
+        with COMPILE_LOCK:
+            future = self.pending.pop(sig, None)
+            if future is None:  # another thread collected it
+                return self._lookup(sig, tensors)
+            try:
+                from torch._inductor import CompiledArtifact
 
-    def _fail(self, err: BaseException) -> None:
+                result = future.result()
+                if "error" in result:
+                    raise RuntimeError(result["error"])
+                compiled = CompiledArtifact.load(path=result["path"], format="binary")
+                os.remove(result["path"])
+                tree, kinds, constants = result["spec"]
+                entry = (compiled, (treespec_loads(tree), kinds, constants), _guard_from_text(result["guard"]))
+            except Exception as err:  # noqa: BLE001 - any compiler failure: eager for this signature
+                self._fail(sig, err)
+                return None
+            self.entries.setdefault(sig, []).append(entry)
+            self.num_graphs += 1
+            return entry if entry[2](tensors) else None
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait for this region's background compiles (at most ``timeout`` seconds); True when none is left.
+        Their graphs are loaded at the next call of each signature."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for future in list(self.pending.values()):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                future.result(left)
+            except Exception:  # noqa: BLE001 - a timeout; failures are reported when collected
+                return False
+        return True
+
+    # ------------------------------------------------------------------ failures
+    def _fail(self, sig, err: BaseException) -> None:
         msg = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        self.failed = msg
-        warnings.warn(f"lightning_resctl: compiling {self.fn.__name__} failed ({msg}); running the torch "
-                      f"path eagerly (set {COMPILE_ENV}=0 or backend='torch-eager' to skip the attempt)",
-                      RuntimeWarning, stacklevel=4)
+        with COMPILE_LOCK:
+            if sig in self._failed_sigs:
+                return
+            self._failed_sigs.add(sig)
+            self.failed[_describe(sig)] = msg
+        warnings.warn(f"lightning_resctl: compiling {self.__name__} for the call signature {_describe(sig)} failed "
+                      f"({msg}); that signature runs the torch path eagerly, others still compile (set "
+                      f"{COMPILE_ENV}=0 or backend='torch-eager' to skip compiling)", RuntimeWarning, stacklevel=5)
+
+
+def _background_compiler_for(fn, tensors):
+    """The process's background compiler when ``fn``'s signature can be compiled there (CPU tensors, ``fn``
+    importable by name, inductor can save what it compiled), else None."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return None
+    from . import _background_compile
+
+    return _background_compile.compiler_for(fn)
+
+
+def wait_for_compiles(timeout: Optional[float] = None) -> bool:
+    """Wait until every region's background compiles of this process have finished (at most ``timeout``
+    seconds); True when none is left. The next call of each signature then runs its compiled graph. For
+    benchmarks that time the steady state; training needs no wait."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for region in list(_REGIONS):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not region.wait(left):
+            return False
+    return True

@@ -43,8 +43,8 @@ import torch
 from torch import Tensor, nn
 
 from ._triton import triton_available
-from .backends import (BACKENDS as _SHARED_BACKENDS, CompiledRegion, check_backend, cpu_compile_available,
-                       load_kernels, refuse_second_derivative, torch_mode, triton_runs_on_device)
+from .backends import (BACKENDS as _SHARED_BACKENDS, CompiledMath, check_backend, load_kernels, op_outputs,
+                       opaque_under_compile, refuse_second_derivative, torch_mode, triton_runs_on_device)
 from .math_context import autocast_off, refuse_transforms
 
 __all__ = [
@@ -375,30 +375,61 @@ class _ResControllerFunction(torch.autograd.Function):
                 None, None, None, None, None, None, None)
 
 
-def _math_fns(mode: str):
-    """(forward, backward) math: eager torch ops, or their compiled region (mode "compiled")."""
-    if mode == "compiled":
-        compiled = _compiled_math()
-        if compiled is not None:
-            return compiled
-    return _lean_forward, _lean_backward
-
-
-_COMPILED: dict = {}
-
-
-def _compiled_math():
-    """The forward and backward math as compiled regions (built once), or None without a C++ compiler."""
-    if "fns" not in _COMPILED:
-        _COMPILED["fns"] = ((CompiledRegion(_lean_forward), CompiledRegion(_lean_backward))
-                            if cpu_compile_available() else None)
-    return _COMPILED["fns"]
+#: (forward, backward) math for a torch_mode: eager torch ops, or their compiled regions (lightning_resctl.backends)
+_math_fns = CompiledMath(_lean_forward, _lean_backward)
 
 
 def _rescontroller_torch(residual, update, ur, sr, ku, ks, eps, dim, backend="torch"):
     refuse_transforms("rescontroller (torch path)", _ORACLE, residual, update)
+    if opaque_under_compile():
+        return _rescontroller_op(residual, update, ur, sr, ku, ks, eps, dim, backend)[0]
     mode = torch_mode(backend, residual)
     return _ResControllerFunction.apply(residual, update, ur, sr, ku, ks, eps, dim, mode)
+
+
+# Under torch.compile: the same forward / backward math as two opaque ops (lightning_resctl.backends.
+# opaque_under_compile), run as torch_mode(backend) says when the compiled model runs.
+@torch.library.custom_op("lightning_resctl::rescontroller_torch", mutates_args=())
+def _rescontroller_op(residual: Tensor, update: Tensor, ur: float, sr: float, ku: float, ks: float, eps: float,
+                      dim: int, backend: str) -> tuple[Tensor, Tensor]:
+    """``(out, stats)`` of :func:`_lean_forward`."""
+    fwd, _ = _math_fns(torch_mode(backend, residual))
+    return op_outputs(fwd, residual, update, ur, sr, ku, ks, eps, dim)
+
+
+@_rescontroller_op.register_fake
+def _(residual, update, ur, sr, ku, ks, eps, dim, backend):
+    return op_outputs(_lean_forward, residual, update, ur, sr, ku, ks, eps, dim, fake=True)
+
+
+@torch.library.custom_op("lightning_resctl::rescontroller_torch_backward", mutates_args=())
+def _rescontroller_backward_op(grad_out: Tensor, residual: Tensor, update: Tensor, stats: Tensor, ur: float,
+                               sr: float, ku: float, ks: float, eps: float, dim: int,
+                               backend: str) -> tuple[Tensor, Tensor]:
+    """``(grad_r, grad_u)`` of :func:`_lean_backward`."""
+    _, bwd = _math_fns(torch_mode(backend, residual))
+    return op_outputs(bwd, grad_out, residual, update, stats, ur, sr, ku, ks, eps, dim)
+
+
+@_rescontroller_backward_op.register_fake
+def _(grad_out, residual, update, stats, ur, sr, ku, ks, eps, dim, backend):
+    return op_outputs(_lean_backward, grad_out, residual, update, stats, ur, sr, ku, ks, eps, dim, fake=True)
+
+
+def _op_setup_context(ctx, inputs, output):
+    residual, update, *opts = inputs
+    ctx.save_for_backward(residual, update, output[1])
+    ctx.opts = opts
+    ctx.mark_non_differentiable(output[1])
+
+
+def _op_backward(ctx, grad_out, _grad_stats):
+    residual, update, stats = ctx.saved_tensors
+    grad_r, grad_u = _rescontroller_backward_op(grad_out, residual, update, stats, *ctx.opts)
+    return grad_r, grad_u, None, None, None, None, None, None, None
+
+
+_rescontroller_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 @torch.compiler.assume_constant_result

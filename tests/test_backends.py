@@ -2,6 +2,8 @@
 always the eager function's result."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -26,7 +28,7 @@ def test_one_compile_serves_every_size_of_a_pattern_and_matches_eager():
         want, want_extra = _math(a, b, 0.5, -1)
         torch.testing.assert_close(out, want)
         torch.testing.assert_close(extra["m"], want_extra["m"])
-    assert region.num_graphs == 1 and region.failed is None and region.first_call_s > 0
+    assert region.num_graphs == 1 and not region.failed and region.first_call_s > 0
 
 
 @needs_compiler
@@ -90,7 +92,8 @@ def test_strided_views_grad_inputs_and_the_signature_limit():
     torch.testing.assert_close(region(at, bt, 1.0, -1)[0], _math(at, bt, 1.0, -1)[0])  # copied to contiguous
     assert region.num_graphs == 1
     torch.testing.assert_close(region(a, b, 1.0, -1)[0], _math(a, b, 1.0, -1)[0])
-    torch.testing.assert_close(region(a, b, 3.0, -1)[0], _math(a, b, 3.0, -1)[0])  # past the limit: eager
+    with pytest.warns(RuntimeWarning, match="limit of 1 graphs"):
+        torch.testing.assert_close(region(a, b, 3.0, -1)[0], _math(a, b, 3.0, -1)[0])  # past the limit: eager
     assert region.num_graphs == 1
 
 
@@ -100,25 +103,38 @@ def test_first_compile_under_inference_mode():
     with torch.inference_mode():
         a, b = torch.randn(3, 11), torch.randn(3, 11)
         torch.testing.assert_close(region(a, b, 1.0, -1)[0], _math(a, b, 1.0, -1)[0])
-    assert region.num_graphs == 1 and region.failed is None
-
-
-def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
-    import torch._inductor.compile_fx as compile_fx_module
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no compiler here")
-
-    monkeypatch.setattr(compile_fx_module, "compile_fx", broken)
-    region = CompiledRegion(lambda a, b: a * b)
-    x = torch.randn(3)
-    with pytest.warns(RuntimeWarning, match="running the torch path eagerly"):
-        assert torch.equal(region(x, x), x * x)
-    assert region.failed and torch.equal(region(x, x), x * x)  # eager from then on, no second warning
+    assert region.num_graphs == 1 and not region.failed
 
 
 @needs_compiler
-def test_compiled_code_that_fails_at_run_time_falls_back(monkeypatch):
+def test_a_failed_compile_is_scoped_to_its_signature_and_named_once(monkeypatch):
+    """A compile that fails for one signature (here: fp64) leaves that signature eager, says once which one, and
+    other signatures (fp32) still compile (one failure used to turn compiling off for the whole process)."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    real = compile_fx_module.compile_fx
+
+    def fails_for_fp64(graph, examples):
+        if any(e.dtype == torch.float64 for e in examples):
+            raise RuntimeError("no fp64 here")
+        return real(graph, examples)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", fails_for_fp64)
+    region = CompiledRegion(_math)
+    a, b = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match=r"_math for the call signature \(float64 2-d cpu, float64 2-d cpu, "
+                                            r"0.5, -1\) failed \(RuntimeError: no fp64 here\)"):
+        torch.testing.assert_close(region(a, b, 0.5, -1)[0], _math(a, b, 0.5, -1)[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning for the same signature, none for the others
+        torch.testing.assert_close(region(a, b, 0.5, -1)[0], _math(a, b, 0.5, -1)[0])
+        a32, b32 = a.float(), b.float()
+        torch.testing.assert_close(region(a32, b32, 0.5, -1)[0], _math(a32, b32, 0.5, -1)[0])
+    assert region.num_graphs == 1 and list(region.failed) == ["(float64 2-d cpu, float64 2-d cpu, 0.5, -1)"]
+
+
+@needs_compiler
+def test_compiled_code_that_fails_at_run_time_falls_back_for_that_signature():
     region = CompiledRegion(lambda a, b: a * b)
     x = torch.randn(3)
     region(x, x)
@@ -129,9 +145,11 @@ def test_compiled_code_that_fails_at_run_time_falls_back(monkeypatch):
         raise RuntimeError("bad kernel")
 
     graphs[0] = (broken, spec, guard)
-    with pytest.warns(RuntimeWarning, match="running the torch path eagerly"):
+    with pytest.warns(RuntimeWarning, match="RuntimeError: bad kernel"):
         assert torch.equal(region(x, x), x * x)
-    assert region.failed
+    assert list(region.failed) == ["(float32 1-d cpu, float32 1-d cpu)"]
+    y = torch.randn(2, 3)
+    assert torch.equal(region(y, y), y * y) and region.num_graphs == 2  # another signature still compiles
 
 
 @needs_compiler
@@ -145,7 +163,7 @@ def test_eager_under_a_dispatch_mode_so_flop_counters_see_the_ops():
     with FlopCounterMode(display=False) as counter:
         out = region(a, b)
     torch.testing.assert_close(out, a @ b)
-    assert counter.get_total_flops() == 2 * 4 * 6 * 3 and region.num_graphs == 0 and region.failed is None
+    assert counter.get_total_flops() == 2 * 4 * 6 * 3 and region.num_graphs == 0 and not region.failed
     region(a, b)
     with FlopCounterMode(display=False) as counter:  # an already compiled graph is not used inside a mode either
         region(a, b)
@@ -157,7 +175,7 @@ def test_meta_tensors_run_eagerly():
     region = CompiledRegion(_math)
     a = torch.empty(3, 5, device="meta")
     out, extra = region(a, a, 1.0, -1)
-    assert out.device.type == "meta" and out.shape == (3, 5) and region.num_graphs == 0 and region.failed is None
+    assert out.device.type == "meta" and out.shape == (3, 5) and region.num_graphs == 0 and not region.failed
 
 
 @needs_compiler

@@ -584,7 +584,7 @@ def test_torch_path_modes_and_switch(monkeypatch):
     monkeypatch.setenv(backends.COMPILE_ENV, "0")
     assert backends.torch_mode("torch", x) == "eager"
     monkeypatch.setenv(backends.COMPILE_ENV, "1")
-    assert backends.torch_mode("torch", x) == ("compiled" if backends.cpu_compile_available() else "eager")
+    assert backends.torch_mode("torch", x) == ("background" if backends.cpu_compile_available() else "eager")
     for name in ("torch-eager", "torch-compiled"):
         assert ResController(backend=name).resolved_backend(x) == name
 

@@ -2,28 +2,13 @@
 rank-zero log line. (Depths, records and logger output live in :mod:`lightning_resctl.diagnostics`.)"""
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
-#: the package's logger; shown on stderr like Lightning's own messages when nothing configured logging.
-log = logging.getLogger("lightning_resctl")
-if log.level == logging.NOTSET:
-    log.setLevel(logging.INFO)
-
-
-def rank_zero_line(msg: str) -> None:
-    """Log ``msg`` (INFO, logger ``lightning_resctl``) on global rank zero only."""
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
-    if getattr(rank_zero_only, "rank", 0) != 0:
-        return
-    if not log.handlers and not logging.getLogger().handlers:  # nothing configured logging: stderr
-        log.addHandler(logging.StreamHandler())
-    log.info(msg)
+from .._logging import rank_zero_line  # noqa: F401 - used by the callbacks as C.rank_zero_line
 
 
 def check_method(method: Any, options: Mapping[str, Any] | None = None) -> str | None:

@@ -11,10 +11,10 @@ import torch
 from torch import Tensor, nn
 
 from .._triton import triton_available, triton_runs_on
-from ..backends import check_backend, torch_mode
+from ..backends import check_backend, opaque_under_compile, torch_mode
 from ..math_context import autocast_off, refuse_transforms
 from .inversion import _InvertRun
-from .ops import _MGRStepFn, _TieZeroGrad, _kernels
+from .ops import _MGRStepFn, _TieZeroGrad, _kernels, _mgr_step_torch_op
 from .reference import (B_BASE, GATINGS, L_BASE, RMS_EPS, MGRInit, attn_pool_reference, mgr_bias_init,
                         mgr_gates_reference, mgr_step_reference)
 
@@ -357,6 +357,9 @@ class MGRChain(nn.Module):
         if run is None and backend == "triton":
             with autocast_off(streams.device.type):  # the fused op's own torch ops in fp32
                 out, h, _, _ = _kernels().mgr_step(streams, u, wq, gq, gb, fb, self.eps)
+            return out, h
+        if run is None and opaque_under_compile():  # the torch path as one op per direction (backends)
+            out, h, _, _ = _mgr_step_torch_op(streams, u, wq, gq, gb, fb, self.eps, backend)
             return out, h
         # "torch" on CPU: one compiled region per direction when a C++ compiler is present (lightning_resctl.backends)
         mode = "triton" if backend == "triton" else torch_mode(backend, streams)

@@ -17,12 +17,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..backends import CompiledRegion, cpu_compile_available, load_kernels, refuse_second_derivative
+from ..backends import CompiledMath, load_kernels, op_outputs, refuse_second_derivative, torch_mode
 from ..math_context import autocast_off
 from .inversion import output_streams, reconstruct_inputs
 from .reference import _compute_dtype
 
-__all__ = ["_MGRStepFn", "_TieZeroGrad", "_torch_step_forward", "_torch_step_backward", "_kernels"]
+__all__ = ["_MGRStepFn", "_TieZeroGrad", "_torch_step_forward", "_torch_step_backward", "_kernels", "_mgr_step_torch_op"]
 
 
 def _gates_from_logits(z: Tensor, forget_bias: Optional[Tensor]) -> Tensor:
@@ -141,22 +141,13 @@ def _kernels():
     return load_kernels("mgr")
 
 
-_COMPILED: dict = {}
-
-
-def _torch_fns(mode: str):
-    """(forward, backward) of the torch path: eager ops, or one compiled region each (mode "compiled")."""
-    if mode == "compiled" and not torch.compiler.is_compiling():
-        if "fns" not in _COMPILED:
-            _COMPILED["fns"] = ((CompiledRegion(_torch_step_forward), CompiledRegion(_torch_step_backward))
-                                if cpu_compile_available() else None)
-        if _COMPILED["fns"] is not None:
-            return _COMPILED["fns"]
-    return _torch_step_forward, _torch_step_backward
+#: (forward, backward) of the torch path for a torch_mode: eager ops, or one compiled region each
+#: (lightning_resctl.backends)
+_torch_fns = CompiledMath(_torch_step_forward, _torch_step_backward)
 
 
 def _step_forward(backend: str, streams, u, next_query, gate_query, gate_bias, forget_bias, eps):
-    """``backend``: "triton", or the torch path's mode ("eager" / "compiled")."""
+    """``backend``: "triton", or the torch path's mode ("eager" / "compiled" / "background")."""
     if backend == "triton":
         out, h, beta, a = _kernels().mgr_step_forward_raw(streams, u, next_query, gate_query, gate_bias, forget_bias,
                                                           eps)
@@ -255,3 +246,78 @@ class _TieZeroGrad(torch.autograd.Function):
     def backward(ctx, g):
         shape, dtype, device = ctx.p_meta
         return g, torch.zeros(shape, dtype=dtype, device=device)
+
+
+# ----------------------------------------------------------------------------------------------
+# under torch.compile: the torch path's step as two opaque ops (lightning_resctl.backends.opaque_under_compile),
+# run as torch_mode(backend) says when the compiled model runs; no inversion there (the chain does not invert
+# under torch.compile), the backward recomputes the merged streams and the per-row statistics
+# ----------------------------------------------------------------------------------------------
+def _step_forward_shaped(fwd, streams, u, next_query, gate_query, gate_bias, forget_bias, eps):
+    out, h, beta, a, _ = fwd(streams, u, next_query, gate_query, gate_bias, forget_bias, eps)
+    return out, h, beta, a
+
+
+def _step_backward_shaped(bwd, streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias, grad_out, grad_h,
+                          eps):
+    m, c = streams.shape[-2], streams.shape[-1]
+    grad_out = grad_out.reshape(-1, grad_out.shape[-2], c) if grad_out is not None else None
+    grad_h = grad_h.reshape(-1, c) if grad_h is not None else None
+    ds, du, dq, db, df, dw = bwd(streams.reshape(-1, m, c), u.reshape(-1, c), beta if gate_query is not None else None,
+                                 a, None, None, next_query, gate_query, forget_bias, grad_out, grad_h, eps)
+    return ds.reshape(streams.shape), du.reshape(u.shape), dq, db, df, dw
+
+
+@torch.library.custom_op("lightning_resctl::mgr_step_torch", mutates_args=())
+def _mgr_step_torch_op(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
+                       gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], eps: float,
+                       backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(streams', h, beta, a)`` of :func:`_torch_step_forward` (beta, a flattened over the leading dims; beta
+    empty for an accumulating merge)."""
+    fwd = _torch_fns(torch_mode(backend, streams))[0]
+    return op_outputs(lambda *args: _step_forward_shaped(fwd, *args), streams, u, next_query, gate_query, gate_bias,
+                      forget_bias, eps)
+
+
+@_mgr_step_torch_op.register_fake
+def _(streams, u, next_query, gate_query, gate_bias, forget_bias, eps, backend):
+    return op_outputs(lambda *args: _step_forward_shaped(_torch_step_forward, *args), streams, u, next_query,
+                      gate_query, gate_bias, forget_bias, eps, fake=True)
+
+
+@torch.library.custom_op("lightning_resctl::mgr_step_torch_backward", mutates_args=())
+def _mgr_step_torch_backward_op(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_query: Tensor,
+                                gate_query: Optional[Tensor], gate_bias: Optional[Tensor],
+                                forget_bias: Optional[Tensor], grad_out: Optional[Tensor], grad_h: Optional[Tensor],
+                                eps: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(d_streams, d_u, d_gate_query, d_gate_bias, d_forget_bias, d_next_query)`` of :func:`_torch_step_backward`
+    (absent parameters get empty tensors)."""
+    bwd = _torch_fns(torch_mode(backend, streams))[1]
+    return op_outputs(lambda *args: _step_backward_shaped(bwd, *args), streams, u, beta, a, next_query, gate_query,
+                      gate_bias, forget_bias, grad_out, grad_h, eps)
+
+
+@_mgr_step_torch_backward_op.register_fake
+def _(streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias, grad_out, grad_h, eps, backend):
+    return op_outputs(lambda *args: _step_backward_shaped(_torch_step_backward, *args), streams, u, beta, a,
+                      next_query, gate_query, gate_bias, forget_bias, grad_out, grad_h, eps, fake=True)
+
+
+def _op_setup_context(ctx, inputs, output):
+    streams, u, next_query, gate_query, gate_bias, forget_bias, eps, backend = inputs
+    _, _, beta, a = output
+    ctx.save_for_backward(streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias)
+    ctx.opts = (eps, backend)
+    ctx.mark_non_differentiable(beta, a)
+
+
+def _op_backward(ctx, grad_out, grad_h, _grad_beta, _grad_a):
+    streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias = ctx.saved_tensors
+    ds, du, dq, db, df, dw = _mgr_step_torch_backward_op(streams, u, beta, a, next_query, gate_query, gate_bias,
+                                                         forget_bias, grad_out, grad_h, *ctx.opts)
+    gated = gate_query is not None
+    return (ds, du, dw, dq if gated else None, db if gated else None, df if forget_bias is not None else None,
+            None, None)
+
+
+_mgr_step_torch_op.register_autograd(_op_backward, setup_context=_op_setup_context)

@@ -7,6 +7,7 @@ wiring of merge rules into it.
 * :func:`wire_merges` — replace both residual additions of every block by ``merge(x, update)`` (no surgery).
 * :func:`wire_hyper_connections` — HC / mHC of the ``hyper-connections`` package wired by hand into the
   same GPT (the package's own ``expand_stream`` / ``reduce_stream`` and one connection per sub-layer).
+* :class:`ResNet` — a ResNet-18-shaped conv net (BasicBlocks, one feature-map shape per stage) for small images.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["NanoGPT", "Block", "CausalSelfAttention", "MLP", "wire_merges", "wire_hyper_connections", "gpt_loss",
-           "add_step_arguments"]
+           "add_step_arguments", "ResNet", "BasicBlock"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -137,6 +138,48 @@ class NanoGPT(nn.Module):
             x = block(x)
         x = self.ln_f(x)
         return self.lm_head(x)
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block: ``relu(bn(conv(relu(bn(conv(x))))) + shortcut(x))``; the shortcut is a strided 1x1
+    conv + BN when the shape changes (a projection, not a merge of the stream)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """ResNet-18-shaped conv net for ``image_size``-pixel images: a 3x3 stem, four stages of ``depth`` basic
+    blocks with ``widths`` channels (stride 2 from the second stage on), global pooling, a linear head.
+
+    ``forward(images) -> logits`` of shape (B, num_classes)."""
+
+    def __init__(self, num_classes: int = 10, widths: tuple = (64, 128, 256, 512), depth: int = 2,
+                 image_size: int = 32):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+        blocks, c_in = [], widths[0]
+        for i, c in enumerate(widths):
+            for j in range(depth):
+                blocks.append(BasicBlock(c_in, c, stride=2 if i > 0 and j == 0 else 1))
+                c_in = c
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(c_in, num_classes)
+        self.example_input_array = torch.randn(2, 3, image_size, image_size)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(images)).mean(dim=(2, 3)))
 
 
 def gpt_loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""CompiledRegion.background: the first calls of a signature run eagerly while a background process compiles it,
+then the compiled graph serves every size it holds for; failures there are scoped to their signature. One child
+process serves the whole test session (it starts with the first background call)."""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+from lightning_resctl import backends
+from lightning_resctl.backends import CompiledRegion, wait_for_compiles
+
+needs_compiler = pytest.mark.skipif(not backends.cpu_compile_available(), reason="no C++ compiler for inductor")
+
+EAGER_CALLS = []
+
+
+def _counted_math(a, b, scale):
+    """Importable by name (the background process imports it); counts its eager calls in this process."""
+    EAGER_CALLS.append(a.shape)
+    return torch.addcmul(a, torch.sigmoid((a * b).sum(-1, keepdim=True) * scale), b), None
+
+
+def _data_dependent(a):
+    """A branch on a value: it cannot be traced with symbolic sizes, so compiling it fails."""
+    return a * 2 if bool(a.sum() > 0) else a
+
+
+@needs_compiler
+def test_eager_until_the_background_compile_is_ready_then_compiled():
+    EAGER_CALLS.clear()
+    region = CompiledRegion(_counted_math)
+    a, b = torch.randn(4, 7), torch.randn(4, 7)
+    out, extra = region.background(a, b, 0.5)  # returns at once: eager, the compile is queued
+    torch.testing.assert_close(out, _counted_math(a, b, 0.5)[0])
+    assert extra is None and region.num_graphs == 0 and len(region.pending) == 1
+    assert wait_for_compiles(timeout=600)
+    EAGER_CALLS.clear()
+    for shape in [(4, 7), (9, 7), (2, 30)]:  # the compiled graph serves other sizes of the same pattern
+        a, b = torch.randn(shape), torch.randn(shape)
+        out, extra = region.background(a, b, 0.5)
+        want = torch.addcmul(a, torch.sigmoid((a * b).sum(-1, keepdim=True) * 0.5), b)
+        torch.testing.assert_close(out, want)
+        assert extra is None
+    assert EAGER_CALLS == [] and region.num_graphs == 1 and not region.pending and not region.failed
+
+
+@needs_compiler
+def test_a_background_failure_runs_that_signature_eagerly_and_says_which():
+    region = CompiledRegion(_data_dependent)
+    x = torch.randn(6)
+    torch.testing.assert_close(region.background(x), _data_dependent(x))
+    assert wait_for_compiles(timeout=600)
+    with pytest.warns(RuntimeWarning, match=r"_data_dependent for the call signature \(float32 1-d cpu\) failed"):
+        torch.testing.assert_close(region.background(x), _data_dependent(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(region.background(-x), _data_dependent(-x))  # eager, no second warning
+    assert region.num_graphs == 0 and list(region.failed) == ["(float32 1-d cpu)"]
+
+
+def test_functions_the_child_cannot_import_compile_before_returning():
+    from lightning_resctl import _background_compile
+
+    def local(a):
+        return a + 1
+
+    assert _background_compile.compiler_for(local) is None
+    assert _background_compile.compiler_for(lambda a: a) is None
+    assert _background_compile.compiler_for(_counted_math) is not None
+
+
+@needs_compiler
+def test_one_notice_per_kind_of_compile(monkeypatch, caplog):
+    """Compiling before the first call returns takes seconds: a one-line notice says so, once per process."""
+    monkeypatch.setattr(backends, "_NOTICES", set())
+    region = CompiledRegion(lambda a: a * 3)
+    with caplog.at_level(logging.INFO, logger="lightning_resctl"):
+        region(torch.randn(3))
+        region(torch.randn(3, 2))  # a second graph: no second notice
+    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_resctl"]
+    assert len(lines) == 1 and "compiling <lambda>" in lines[0] and "takes seconds" in lines[0]
+
+
+@needs_compiler
+def test_the_graph_limit_warns_once():
+    region = CompiledRegion(lambda a: a * 3, max_graphs=1)
+    region(torch.randn(3))
+    y = torch.randn(3, 2)
+    with pytest.warns(RuntimeWarning, match="compiled its limit of 1 graphs"):
+        torch.testing.assert_close(region(y), y * 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x = torch.randn(2, 2, 2)
+        torch.testing.assert_close(region(x), x * 3)  # still eager past the limit, no second warning
+    assert region.num_graphs == 1
