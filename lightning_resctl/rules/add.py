@@ -16,3 +16,7 @@ class AddRule(MergeRule):
         if inplace == "update":
             return update.add_(stream)
         return stream + update
+
+    def merge_parallel(self, module, stream, updates, partial, inplace):
+        # the model's own last addition, on its own partial sum: bitwise the block as written
+        return self.merge(module, partial, updates[-1], inplace)

@@ -119,6 +119,18 @@ class MergeRule:
         """The merged stream. ``inplace``: None, ``"stream"`` (``stream += update``) or ``"update"``."""
         raise NotImplementedError
 
+    def merge_parallel(self, module: Optional[nn.Module], stream: Tensor, updates: list, partial: Tensor,
+                       inplace: Optional[str]) -> Tensor:
+        """One merge of a parallel block the model writes as several additions (``x = attn_out + x;
+        return mlp_out + x``: every branch reads ``stream``, the block's input): ``updates`` are the branches'
+        outputs in the order they are added, ``partial`` what the model's additions before the last one
+        computed (``stream + updates[0] + ...``), ``inplace`` the spelling of the last one. The default merges
+        the branches' sum: ``merge(module, stream, updates[0] + updates[1] + ..., None)``."""
+        total = updates[0]
+        for u in updates[1:]:
+            total = total + u
+        return self.merge(module, stream, total, None)
+
     def merge_module(self, site: Any, position: int) -> Optional[nn.Module]:
         """The module that holds merge ``position``'s parameters (diagnostics and reports)."""
         return getattr(site, "merge", None)
