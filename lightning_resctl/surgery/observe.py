@@ -247,15 +247,12 @@ class _Recorder(TorchFunctionMode):
             in_ids = {id(t) for t in in_tensors}
             inplace = (name.endswith("_") and not name.startswith("__") or name.startswith("__i")
                        or func is torch.Tensor.__setitem__)
-            new = None
-            for t in out_tensors:
+            for t in out_tensors:   # one node per output: the chunks of ``split`` are not each other's ancestors
                 if id(t) in in_ids and not inplace and "out" not in kwargs:
                     continue  # an op that returned its input unchanged: keep the tensor's node
-                if new is None:
-                    new = len(self.nodes)
-                    self.nodes.append(Node(new, name, inputs, learned,
-                                           self.module_stack[-1] if self.module_stack else "",
-                                           tuple(t.shape), t.is_floating_point(), static))
+                new = len(self.nodes)
+                self.nodes.append(Node(new, name, inputs, learned, self.module_stack[-1] if self.module_stack else "",
+                                       tuple(t.shape), t.is_floating_point(), static))
                 self.node_of[id(t)] = new
                 self.keep.append(t)
                 if id(t) in in_ids:   # written in place (add_, index_put_, out=, ``y[i] = v``)
@@ -497,10 +494,14 @@ def _classify(ev: AddEvent, nodes: list, merge_of: Optional[dict] = None) -> Non
             ev.reason = ("the update is computed from the stream without learned parameters "
                          "(an elementwise expression, not a branch)")
             return
-        crossed = sorted(n for n in between if n in (merge_of or {}))
-        if crossed:
+        # a merge on the way merges into a stream of its own (not this one, nor one computed from it): this
+        # operand is a tensor reused across layers, not a stream. A merge into this stream or into a tensor of
+        # the branch is a residual nested in the branch (a block inside a residual group, a residual norm)
+        foreign = sorted(n for n in between if n in (merge_of or {})
+                         and merge_of[n].stream_node != stream and merge_of[n].stream_node not in between)
+        if foreign:
             ev.reason = ("the other operand depends on this one only through another residual merge "
-                         f"({merge_of[crossed[0]].location}): a tensor reused across layers (e.g. an attention "
+                         f"({merge_of[foreign[0]].location}): a tensor reused across layers (e.g. an attention "
                          "position bias added to every layer's scores), not a stream and its branch")
             return
         ev.stream_operand = idx
