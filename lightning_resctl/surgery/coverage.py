@@ -134,7 +134,10 @@ class FamilyResult:
 
     @property
     def exact(self) -> bool:
-        """Patched with the expected count, bitwise add and bitwise unpatch."""
+        """Patched with the expected count, bitwise add and bitwise unpatch — or, for a model the structure
+        says has no residual merge (expected 0), none found."""
+        if self.builds and self.expected == 0 and self.merges == 0:
+            return True
         return (bool(self.patches) and self.expected is not None and self.merges == self.expected
                 and bool(self.add_bitwise) and bool(self.unpatch_bitwise))
 
@@ -142,6 +145,8 @@ class FamilyResult:
     def status(self) -> str:
         if not self.builds:
             return "skipped"
+        if self.exact and self.merges == 0:
+            return "exact (no residual)"
         if self.exact and self.rescontroller and self.mgr is not False:
             return "exact"
         if self.exact:
@@ -401,8 +406,9 @@ def run_checks(res: FamilyResult, build: Callable, timeout: Optional[float] = 30
             res.functions = sorted({s.function for s in report.sites if s.function})
             res.parallel = sum(1 for s in report.sites if s.parallel_parts)
             if not res.patches:
-                reasons = sorted({s.reason for s in report.skipped})
-                res.reason = "no merge found" + (f"; skipped: {reasons[0][:120]}" if reasons else "")
+                if res.expected != 0:
+                    reasons = sorted({s.reason for s in report.skipped})
+                    res.reason = "no merge found" + (f"; skipped: {reasons[0][:120]}" if reasons else "")
                 return res
             stage = "add forward"
             with torch.no_grad():
@@ -441,7 +447,7 @@ def run_checks(res: FamilyResult, build: Callable, timeout: Optional[float] = 30
             res.traceback = traceback.format_exc(limit=-3)
     finally:
         res.seconds = time.perf_counter() - t0
-        if notes and res.family in notes and res.status != "exact":
+        if notes and res.family in notes and not res.exact:
             res.reason = (res.reason + " -- " if res.reason else "") + "note: " + notes[res.family]
     return res
 

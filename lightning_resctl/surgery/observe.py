@@ -49,6 +49,8 @@ _GLUE_FILES = ("torch/overrides.py", "torch/_tensor.py", "torch/utils/_device.py
 # frames of nn.Module's call machinery: a function called from there (a hook) has no call site to redirect
 _MODULE_CALL_FILES = ("torch/nn/modules/module.py",)
 _MAX_CALL_DEPTH = 6
+# ops taking a part of their first input (a stream may be the part of a tensor its branch reads whole)
+_SLICES = {"__getitem__", "narrow", "select"}
 
 
 @dataclass
@@ -497,21 +499,29 @@ def _classify(ev: AddEvent, nodes: list, merge_of: Optional[dict] = None) -> Non
         # a merge on the way merges into a stream of its own (not this one, nor one computed from it): this
         # operand is a tensor reused across layers, not a stream. A merge into this stream or into a tensor of
         # the branch is a residual nested in the branch (a block inside a residual group, a residual norm)
-        foreign = sorted(n for n in between if n in (merge_of or {})
-                         and merge_of[n].stream_node != stream and merge_of[n].stream_node not in between)
+        foreign = _foreign_merges(stream, between, merge_of or {})
         if foreign:
             ev.reason = ("the other operand depends on this one only through another residual merge "
                          f"({merge_of[foreign[0]].location}): a tensor reused across layers (e.g. an attention "
                          "position bias added to every layer's scores), not a stream and its branch")
             return
-        ev.stream_operand = idx
-        ev.branch_ops = frozenset(nodes[n].op for n in between)
-        ev.branch_modules = frozenset(nodes[n].module for n in between)
-        ev.branch_learned = _learned_modules(nodes, between)
-        first = nodes[min(n for n in between if nodes[n].learned)]
-        ev.feature_dim = 1 if ev.ndim >= 3 and "conv" in first.op else -1
+        _set_branch(ev, idx, nodes, between)
         return
-    # neither operand depends on the other. A parallel block written as several additions
+    # neither operand depends on the other. A part of a tensor (``x[:, :1]``, a class token; DPN's residual
+    # channels) whose branch reads the whole tensor: the part is the stream, the branch its update
+    for stream, update, idx in ((a, b, 0), (b, a, 1)):
+        node = nodes[stream]
+        if node.op not in _SLICES or not node.inputs:
+            continue
+        whole = node.inputs[0]
+        between = _path_between(nodes, whole, update)
+        if between is None or stream in between or not any(nodes[n].learned for n in between):
+            continue
+        if _foreign_merges(whole, between, merge_of or {}):
+            continue
+        _set_branch(ev, idx, nodes, between)
+        return
+    # A parallel block written as several additions
     # (``x = attn + x; return mlp + x``, ``x + attn + mlp``): one operand is the result of a merge, the other a
     # branch of that merge's stream (the block's input) -- the block's next partial sum, or its last addition
     for stream, update, idx in ((a, b, 0), (b, a, 1)):
@@ -546,6 +556,23 @@ def _classify(ev: AddEvent, nodes: list, merge_of: Optional[dict] = None) -> Non
     else:
         ev.reason = ("combines two branches of one input (neither operand is the other's ancestor: "
                      "e.g. parallel branches or a learned shortcut)")
+
+
+def _foreign_merges(stream: int, between: set, merge_of: dict) -> list:
+    """Merges on the path ``between`` that merge into a stream of their own (neither ``stream`` nor a tensor
+    computed from it), in order."""
+    return sorted(n for n in between if n in merge_of
+                  and merge_of[n].stream_node != stream and merge_of[n].stream_node not in between)
+
+
+def _set_branch(ev: AddEvent, idx: int, nodes: list, between: set) -> None:
+    """Classify ``ev`` as a merge whose stream is operand ``idx`` and whose branch is the nodes ``between``."""
+    ev.stream_operand = idx
+    ev.branch_ops = frozenset(nodes[n].op for n in between)
+    ev.branch_modules = frozenset(nodes[n].module for n in between)
+    ev.branch_learned = _learned_modules(nodes, between)
+    first = nodes[min(n for n in between if nodes[n].learned)]
+    ev.feature_dim = 1 if ev.ndim >= 3 and "conv" in first.op else -1
 
 
 def _check_partial_sums(events: list, nodes: list) -> None:
