@@ -148,7 +148,7 @@ class Timm(Library):
     method = """\
 One model per timm architecture module (`timm.list_modules()`): the one with the fewest parameters among the
 module's models (counted on the meta device), built with `pretrained=False` (random init, nothing downloaded)
-and run on 2 random images of the smallest size it accepts among 32, 64, 96, 128 pixels (passed as `img_size`
+and run on 2 random images of the smallest size it accepts among 32, 56, 64, 96, 112, 128 pixels (passed as `img_size`
 where the model takes it), else its default input size. timm is imported without torchvision through
 `lightning_resctl.testing.import_timm` (README, "Set up and run"). The structural expectation is read from
 the model's modules (`lightning_resctl/surgery/coverage_timm.py`): 1 merge per residual branch — each

@@ -25,7 +25,7 @@ __all__ = ["MODELS", "SIZES", "BLOCKS", "NO_RESIDUAL", "architectures", "smalles
            "run_architecture", "NOTES"]
 
 #: image sizes tried, smallest first (then the model's default input size)
-SIZES = (32, 64, 96, 128)
+SIZES = (32, 56, 64, 96, 112, 128)
 
 #: timm 1.0.31: per architecture module, its model with the fewest parameters (:func:`smallest_models`)
 MODELS = {
@@ -244,6 +244,10 @@ BLOCKS = {
     ("ghostnet", "GhostBottleneckV3"): _same_shape,
     ("repghost", "RepGhostBottleneck"): _same_shape,
     ("rdnet", "DenseBlock"): 0,                   # a dense block: its branch is concatenated, not added
+    ("nasnet", "NormalCell"): 1,                  # x_comb_iter_4 = comb_iter_4_left(x_right) + x_right
+    ("nasnet", "FirstCell"): 1,
+    # the token mixer's merge exists only where there is a token mixer (drop_path1 is None otherwise)
+    ("efficientformer_v2", "EfficientFormerV2Block"): lambda m, x, out: 1 + (m.token_mixer is not None),
     # the stream scaled by a learned Scale (res_scale) is no identity stream
     ("metaformer", "MetaFormerBlock"): lambda m, x, out: sum(isinstance(r, nn.Identity)
                                                           for r in (m.res_scale1, m.res_scale2)),
@@ -324,6 +328,8 @@ def expected_merges(model: nn.Module, x: torch.Tensor, architecture: str = "") -
         key = _key(module)
         x_in = next((a for a in args if isinstance(a, torch.Tensor)), None)
         y = out if isinstance(out, torch.Tensor) else None
+        if key in BLOCKS or _slots(module):
+            counts.setdefault(id(module), 0)
         if key in BLOCKS:
             rule = BLOCKS[key]
             n = rule if isinstance(rule, int) else rule(module, x_in, y)
@@ -348,7 +354,7 @@ def expected_merges(model: nn.Module, x: torch.Tensor, architecture: str = "") -
     if not counts:
         return None, "no drop_path slot and no known residual block: no structural count"
     total = sum(max(0, c) for c in counts.values())
-    how = "drop_path slots of the blocks (projections and no-skip blocks discounted)"
+    how = "drop_path slot calls, less projections and no-skip blocks"
     if described:
         how += " + " + ", ".join(f"{k} {v}" for k, v in sorted(described.items()))
     return total, how
