@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 
 from lightning_resctl.surgery import coverage, coverage_litgpt, coverage_timm  # noqa: E402
 from lightning_resctl.testing.timm_import import import_timm  # noqa: E402
+from surgery_checks import one_thread  # noqa: E402,F401 (module fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,22 +26,19 @@ SAMPLE = {"gpt2": 4, "llama": 4, "bert": 4, "bart": 10, "vit": 4, "gpt_neox": 2,
           "falcon": 2, "bloom": 4, "mpnet": 4, "cpmant": 4}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _exact(r, merges: int) -> None:
+    """``r`` built, found ``merges`` merges as its structure expects, bitwise add and unpatch, both rules train."""
+    assert r.builds, r.reason
+    assert (r.merges, r.expected) == (merges, merges), (r.reason, r.expectation)
+    assert r.add_bitwise and r.unpatch_bitwise
+    assert r.rescontroller and r.mgr
+    assert r.exact and r.status == "exact"
 
 
 @pytest.mark.parametrize("family", list(SAMPLE))
 def test_sample_family_is_patched_exactly(family):
     r = coverage.run_family(family, timeout=120)
-    assert r.builds, r.reason
-    assert (r.merges, r.expected) == (SAMPLE[family], SAMPLE[family]), (r.reason, r.expectation)
-    assert r.add_bitwise and r.unpatch_bitwise
-    assert r.rescontroller and r.mgr
-    assert r.exact and r.status == "exact"
+    _exact(r, SAMPLE[family])
     if family in ("falcon", "bloom"):
         assert r.functions == ["dropout_add"]
 
@@ -100,10 +98,7 @@ LITGPT_SAMPLE = {"pythia-14m": 2, "phi-2": 2, "Mixtral-8x7B-v0.1": 4, "Llama-3.2
 @pytest.mark.parametrize("name", list(LITGPT_SAMPLE))
 def test_litgpt_sample_config_is_patched_exactly(name):
     r = coverage_litgpt.run_config(name, timeout=120)
-    assert r.builds, r.reason
-    assert (r.merges, r.expected) == (LITGPT_SAMPLE[name], LITGPT_SAMPLE[name]), (r.reason, r.expectation)
-    assert r.add_bitwise and r.unpatch_bitwise and r.rescontroller and r.mgr
-    assert r.status == "exact"
+    _exact(r, LITGPT_SAMPLE[name])
     assert r.parallel == (2 if name in ("pythia-14m", "phi-2") else 0)
 
 
@@ -124,11 +119,7 @@ TIMM_SAMPLE = {"vision_transformer": 4, "resnet": 1, "convnext": 9, "maxxvit": 4
 
 @pytest.mark.parametrize("module", list(TIMM_SAMPLE))
 def test_timm_sample_architecture_is_patched_exactly(module):
-    r = coverage_timm.run_architecture(module, timeout=120)
-    assert r.builds, r.reason
-    assert (r.merges, r.expected) == (TIMM_SAMPLE[module], TIMM_SAMPLE[module]), (r.reason, r.expectation)
-    assert r.add_bitwise and r.unpatch_bitwise and r.rescontroller and r.mgr
-    assert r.status == "exact"
+    _exact(coverage_timm.run_architecture(module, timeout=120), TIMM_SAMPLE[module])
 
 
 def test_timm_expectation_counts_branches_not_projections():

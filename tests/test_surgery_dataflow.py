@@ -2,27 +2,15 @@
 branch, the chunks of one ``split``, and a stream that is a part of the tensor its branch reads."""
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
-from lightning_resctl.surgery import patch_residuals, unpatch_residuals
+from lightning_resctl.surgery import patch_residuals
+from surgery_checks import add_and_unpatch_are_bitwise, one_thread  # noqa: F401 (module fixture)
 
 C = 8
 IMG = torch.randn(2, C, 5, 5, generator=torch.Generator().manual_seed(3))
 SEQ = torch.randn(2, 5, C, generator=torch.Generator().manual_seed(4))
-
-
-def _patched_add(model, x):
-    """``add`` and unpatch are bitwise; returns the report."""
-    ref = copy.deepcopy(model)
-    before = ref(x)
-    report = patch_residuals(model, method="add", example_input=x)
-    assert torch.equal(model(x), before)
-    unpatch_residuals(model)
-    assert torch.equal(model(x), before)
-    return report
 
 
 class ResidualNorm(nn.Module):
@@ -51,7 +39,7 @@ class NestedBlock(nn.Module):
 def test_residual_nested_in_a_branch_does_not_hide_the_outer_merge():
     """The block's ``x + branch(x)`` is a merge although its branch holds a merge of its own (it once was
     skipped as "depends on this one only through another residual merge")."""
-    report = _patched_add(nn.Sequential(NestedBlock(), NestedBlock()), IMG)
+    report = add_and_unpatch_are_bitwise(nn.Sequential(NestedBlock(), NestedBlock()), IMG)
     assert sorted((s.path, s.source_line) for s in report.sites) == sorted(
         [("0", "return x + self.conv2(self.norm(self.conv1(x)))"), ("1", "return x + self.conv2(self.norm(self.conv1(x)))"),
          ("0.norm", "return x + torch.addcmul(self.beta, self.gamma, x * nx)"),
@@ -90,7 +78,7 @@ class ScaleSplitBlock(nn.Module):
 
 
 def test_chunks_of_one_split_are_not_each_others_stream():
-    report = _patched_add(nn.Sequential(ScaleSplitBlock(), ScaleSplitBlock()), IMG)
+    report = add_and_unpatch_are_bitwise(nn.Sequential(ScaleSplitBlock(), ScaleSplitBlock()), IMG)
     assert [(s.path, s.source_line) for s in report.sites] == [("0", "out += x"), ("1", "out += x")]
     reasons = {s.source_line: s.reason for s in report.skipped}
     assert "sp = sp if i == 0 else sp + spx[i]" in reasons
@@ -110,5 +98,5 @@ class ClassTokenBlock(nn.Module):
 
 
 def test_a_part_of_the_tensor_its_branch_reads_is_a_stream():
-    report = _patched_add(nn.Sequential(nn.Linear(C, C), ClassTokenBlock(), ClassTokenBlock()), SEQ)
+    report = add_and_unpatch_are_bitwise(nn.Sequential(nn.Linear(C, C), ClassTokenBlock(), ClassTokenBlock()), SEQ)
     assert [(s.path, s.stream_operand) for s in report.sites] == [("1", "left"), ("2", "left")]

@@ -8,47 +8,22 @@
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from litgpt.config import Config
 from litgpt.model import GPT, Block
 
-from lightning_resctl.surgery import merge_sites, patch_residuals, unpatch_residuals
+from lightning_resctl.surgery import merge_sites, patch_residuals
+from surgery_checks import add_and_unpatch_are_bitwise, one_thread  # noqa: F401 (module fixture)
 
 IDS = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
 SMALL = dict(n_layer=2, n_embd=16, n_head=2, n_query_groups=2, head_size=8, intermediate_size=32,
              padded_vocab_size=64, vocab_size=64, block_size=16)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _gpt(name, **over):
     torch.manual_seed(0)
     return GPT(Config.from_name(name, **{**SMALL, **over}))
-
-
-def _add_and_unpatch_are_bitwise(model):
-    ref = copy.deepcopy(model)
-    before = ref(IDS)
-    before.pow(2).mean().backward()
-    report = patch_residuals(model, method="add", example_input=IDS)
-    out = model(IDS)
-    out.pow(2).mean().backward()
-    assert torch.equal(out, before)
-    grads = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        assert torch.equal(p.grad, grads[name].grad), name
-    unpatch_residuals(model)
-    assert torch.equal(model(IDS), before)
-    return report
 
 
 def _trains(model, method):
@@ -63,7 +38,7 @@ def _trains(model, method):
 def test_parallel_residual_block_is_one_merge_per_block_in_one_chain(name):
     model = _gpt(name)
     assert model.config.parallel_residual and isinstance(model.transformer.h[0], Block)
-    report = _add_and_unpatch_are_bitwise(model)
+    report = add_and_unpatch_are_bitwise(model, IDS)
     assert [c.length for c in report.chains] == [2]
     assert [(s.path, s.branch) for s in report.sites] == [("transformer.h.0", "attn+mlp"),
                                                           ("transformer.h.1", "attn+mlp")]
@@ -102,7 +77,7 @@ def test_parallel_residual_block_merges_the_input_with_the_branches_sum():
 def test_llama_moe_block_is_two_merges_per_block_in_one_chain():
     model = _gpt("Mixtral-8x7B-v0.1", n_expert=4, n_expert_per_token=2)
     assert type(model.transformer.h[0].mlp).__name__ == "LLaMAMoE"
-    report = _add_and_unpatch_are_bitwise(model)
+    report = add_and_unpatch_are_bitwise(model, IDS)
     assert [c.length for c in report.chains] == [4]
     assert [(s.path, s.branch) for s in report.sites] == [("transformer.h.0", "attn"), ("transformer.h.0", "mlp"),
                                                           ("transformer.h.1", "attn"), ("transformer.h.1", "mlp")]
@@ -111,6 +86,6 @@ def test_llama_moe_block_is_two_merges_per_block_in_one_chain():
 
 
 def test_sequential_litgpt_block_is_two_merges_per_block():
-    report = _add_and_unpatch_are_bitwise(_gpt("Llama-3.2-1B"))
+    report = add_and_unpatch_are_bitwise(_gpt("Llama-3.2-1B"), IDS)
     assert [c.length for c in report.chains] == [4]
     assert [s.branch for s in report.sites] == ["attn", "mlp"] * 2

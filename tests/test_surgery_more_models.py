@@ -15,20 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_resctl.surgery import merge_sites, patch_residuals, unpatch_residuals
+from surgery_checks import one_thread  # noqa: F401 (module fixture)
 
 C = 16
 IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
 IMG = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
 SEQ = torch.randn(2, 5, C, generator=torch.Generator().manual_seed(3))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads only add contention on a busy CPU (restored after the module)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _run(model, x):

@@ -14,14 +14,13 @@
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 
 from lightning_resctl.rules import get_merge_rule
-from lightning_resctl.surgery import merge_sites, patch_residuals, unpatch_residuals
+from lightning_resctl.surgery import merge_sites, patch_residuals
+from surgery_checks import add_and_unpatch_are_bitwise, one_thread  # noqa: F401 (module fixture)
 
 C = 16
 SEQ = torch.randn(2, 5, C, generator=torch.Generator().manual_seed(3))
@@ -102,27 +101,9 @@ def _seq(block, n=2):
     return nn.Sequential(nn.Linear(C, C), *[block() for _ in range(n)], nn.LayerNorm(C))
 
 
-def _add_is_bitwise(model, x):
-    """``add`` is bitwise the model as written (outputs and gradients), so is ``unpatch``; returns the report."""
-    ref = copy.deepcopy(model)
-    before = ref(x)
-    before.pow(2).mean().backward()
-    report = patch_residuals(model, method="add", example_input=x)
-    out = model(x)
-    out.pow(2).mean().backward()
-    assert torch.equal(out, before)
-    grads = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        assert torch.equal(p.grad, grads[name].grad), name
-    unpatch_residuals(model)
-    assert torch.equal(model(x), before)
-    assert [type(m) for m in model.modules()] == [type(m) for m in ref.modules()]
-    return report
-
-
 @pytest.mark.parametrize("block", [Par, ParInPlace, ParStreamFirst, ParThree])
 def test_parallel_block_is_one_merge_of_the_branches_sum(block):
-    report = _add_is_bitwise(_seq(block), SEQ)
+    report = add_and_unpatch_are_bitwise(_seq(block), SEQ)
     assert [(s.chain, s.position) for s in report.sites] == [(0, 0), (0, 1)]
     assert [s.path for s in report.sites] == ["1", "2"]
     assert {s.branch for s in report.sites} == {"attn+mlp"}
@@ -241,7 +222,7 @@ WRITES = ["index_iadd", "setitem", "index_put_", "index_add_", "masked_scatter_"
 @pytest.mark.parametrize("write", WRITES)
 def test_moe_written_by_indexed_inplace_writes_is_a_merge(write):
     model = _seq(lambda: MoEBlock(write))
-    report = _add_is_bitwise(model, SEQ)
+    report = add_and_unpatch_are_bitwise(model, SEQ)
     assert [c.length for c in report.chains] == [4]
     assert [s.branch for s in report.sites] == ["attn", "mlp"] * 2
     assert [s.source_line for s in report.sites][1::2] == ["return x + self.moe(self.n2(x))"] * 2
