@@ -14,6 +14,9 @@
 """
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -161,6 +164,22 @@ def test_parallel_site_checks_that_its_partial_sum_comes_from_its_first_addition
     assert len(final) == 1
     with pytest.raises(RuntimeError, match="parallel block"):
         final[0](SEQ, SEQ)  # called without the block's first addition
+
+
+@pytest.mark.parametrize("method", ["rescontroller", "mgr"])
+def test_patched_parallel_block_survives_deepcopy_and_pickle(method):
+    """The parts and the last site of a block share their per-forward state; copies share their own."""
+    model = _seq(Par)
+    patch_residuals(model, method=method, example_input=SEQ, backend="torch-eager")
+    ref = model(SEQ)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for twin in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        parts = [m for m in twin.modules() if type(m).__name__ == "ParallelPart"]
+        (site,) = merge_sites(twin[1])
+        assert len(parts) == 2 and parts[0]._run is site.parallel is not merge_sites(model[1])[0].parallel
+        assert torch.equal(twin(SEQ), ref)
 
 
 # ---------------------------------------------------------------------------------------------- MoE
