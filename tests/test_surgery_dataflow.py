@@ -40,10 +40,10 @@ def test_residual_nested_in_a_branch_does_not_hide_the_outer_merge():
     """The block's ``x + branch(x)`` is a merge although its branch holds a merge of its own (it once was
     skipped as "depends on this one only through another residual merge")."""
     report = add_and_unpatch_are_bitwise(nn.Sequential(NestedBlock(), NestedBlock()), IMG)
-    assert sorted((s.path, s.source_line) for s in report.sites) == sorted(
-        [("0", "return x + self.conv2(self.norm(self.conv1(x)))"), ("1", "return x + self.conv2(self.norm(self.conv1(x)))"),
-         ("0.norm", "return x + torch.addcmul(self.beta, self.gamma, x * nx)"),
-         ("1.norm", "return x + torch.addcmul(self.beta, self.gamma, x * nx)")])
+    block = "return x + self.conv2(self.norm(self.conv1(x)))"
+    norm = "return x + torch.addcmul(self.beta, self.gamma, x * nx)"
+    assert sorted((s.path, s.source_line) for s in report.sites) == [("0", block), ("0.norm", norm), ("1", block),
+                                                                     ("1.norm", norm)]
     # the blocks' merges are one chain; each norm's merge starts its own (its stream is a tensor of the branch)
     assert [c.length for c in report.chains] == [1, 2, 1]
     model = nn.Sequential(NestedBlock(), NestedBlock())

@@ -27,11 +27,13 @@ __all__ = ["MODELS", "SIZES", "BLOCKS", "NO_RESIDUAL", "architectures", "smalles
 #: image sizes tried, smallest first (then the model's default input size)
 SIZES = (32, 56, 64, 96, 112, 128)
 
-#: timm 1.0.31: per architecture module, its model with the fewest parameters (:func:`smallest_models`)
+#: timm 1.0.31: per architecture module, its model with the fewest parameters (:func:`smallest_models`), or,
+#: where every block of that one projects its shortcut (one block per stage), the smallest whose blocks include
+#: an identity residual
 MODELS = {
     "beit": "beit_base_patch16_224",
     "byoanet": "halonet_h1",
-    "byobnet": "test_byobnet",
+    "byobnet": "gernet_s",  # smallest: test_byobnet, every block projects
     "cait": "cait_xxs24_224",
     "coat": "coat_tiny",
     "convit": "convit_tiny",
@@ -51,7 +53,7 @@ MODELS = {
     "edgenext": "edgenext_xx_small",
     "efficientformer": "efficientformer_l1",
     "efficientformer_v2": "efficientformerv2_s0",
-    "efficientnet": "test_efficientnet",
+    "efficientnet": "mobilenetv2_050",  # smallest: test_efficientnet, every block projects
     "efficientvim": "efficientvim_m1",
     "efficientvit_mit": "efficientvit_b0",
     "efficientvit_msra": "efficientvit_m0",
@@ -87,7 +89,7 @@ MODELS = {
     "nasnet": "nasnetalarge",
     "nest": "nest_tiny",
     "nextvit": "nextvit_small",
-    "nfnet": "test_nfnet",
+    "nfnet": "nf_regnet_b0",  # smallest: test_nfnet, every block projects
     "pit": "pit_ti_224",
     "pnasnet": "pnasnet5large",
     "pvt_v2": "pvt_v2_b0",
@@ -97,7 +99,7 @@ MODELS = {
     "repghost": "repghostnet_050",
     "repvit": "repvit_m1",
     "res2net": "res2next50",
-    "resnest": "resnest14d",
+    "resnest": "resnest26d",  # smallest: resnest14d, every block projects
     "resnet": "test_resnet",
     "resnetv2": "resnetv2_18",
     "rexnet": "rexnet_100",
@@ -123,7 +125,7 @@ MODELS = {
     "vision_transformer_sam": "samvit_base_patch16_224",
     "vitamin": "vitamin_small_224",
     "volo": "volo_d1_224",
-    "vovnet": "ese_vovnet19b_slim_dw",
+    "vovnet": "ese_vovnet39b",  # smallest: ese_vovnet19b_slim_dw, every block projects
     "xception": "legacy_xception",
     "xception_aligned": "xception41p",
     "xcit": "xcit_nano_12_p8_224",
