@@ -41,7 +41,7 @@ class Library:
     noun = "models"
     first = "model"
     second = "class"
-    default_timeout = 30.0
+    default_timeout = 60.0
 
     def version(self) -> str:
         raise NotImplementedError
@@ -93,7 +93,8 @@ cannot be shrunk are skipped with the reason. The structural expectation is deri
 layer (self-attention, cross-attention, MLP) for an encoder-decoder; 1 per layer for a parallel block (a config
 flag such as `use_parallel_residual`/`parallel_attn`, or an architecture known to add its two branches to the
 stream in one block: `PARALLEL_FAMILIES` in `lightning_resctl/surgery/coverage.py`) or a state-space mixer;
-`?`: no plain layer count (vision stages, hybrids).
+2 per attention block of vision stages (plus one per residual group and one around the body for
+`RESIDUAL_GROUP_FAMILIES`); `?`: no plain layer count (convolutional stages, hybrids).
 """
 
 
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
                                                "module; default: all)")
     ap.add_argument("--limit", type=int, default=None, help="try at most this many")
     ap.add_argument("--timeout-per-model", type=float, default=None,
-                    help="seconds per model (default 30; 120 for timm)")
+                    help="seconds per model (default 60; 120 for timm)")
     ap.add_argument("--max-minutes", type=float, default=40.0,
                     help="stop trying new models after this many minutes (default 40)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")

@@ -20,9 +20,9 @@ from surgery_checks import one_thread  # noqa: E402,F401 (module fixture)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (family, expected merges with 2 layers): decoder-only, encoder-only, encoder-decoder, vision, parallel
-# blocks, the two families whose merges live in a free function (dropout_add), and two families that add
+# blocks (Cohere's written stream first: x + attn + mlp), the two families whose merges live in a free function (dropout_add), and two families that add
 # one attention position bias to every layer's scores (not a merge: it once was patched as one)
-SAMPLE = {"gpt2": 4, "llama": 4, "bert": 4, "bart": 10, "vit": 4, "gpt_neox": 2, "gptj": 2,
+SAMPLE = {"gpt2": 4, "llama": 4, "bert": 4, "bart": 10, "vit": 4, "gpt_neox": 2, "gptj": 2, "cohere": 2,
           "falcon": 2, "bloom": 4, "mpnet": 4, "cpmant": 4}
 
 
@@ -54,6 +54,9 @@ def test_expectation_is_derived_from_the_config():
     assert coverage.expected_merges(T.SwinConfig(depths=[1, 2], num_heads=[1, 2]))[0] == 6
     assert coverage.expected_merges(T.ConvNextConfig())[0] is None      # conv stages: no structural count
     assert coverage.expected_merges(T.GPTJConfig(n_layer=3))[0] == 3     # parallel block without a flag
+    assert coverage.expected_merges(T.CohereConfig(num_hidden_layers=3))[0] == 3   # x + attn + mlp: one merge
+    # residual groups around the attention blocks, one residual around the body
+    assert coverage.expected_merges(T.Swin2SRConfig(depths=[1, 2], num_heads=[1, 1]))[0] == 6 + 2 + 1
 
 
 def test_shrunken_config_is_small():

@@ -2,6 +2,7 @@
 branch, the chunks of one ``split``, and a stream that is a part of the tensor its branch reads."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -100,3 +101,37 @@ class ClassTokenBlock(nn.Module):
 def test_a_part_of_the_tensor_its_branch_reads_is_a_stream():
     report = add_and_unpatch_are_bitwise(nn.Sequential(nn.Linear(C, C), ClassTokenBlock(), ClassTokenBlock()), SEQ)
     assert [(s.path, s.stream_operand) for s in report.sites] == [("1", "left"), ("2", "left")]
+
+
+class UpdateFirst(nn.Module):
+    """``update + stream`` with a transposed (non-contiguous) update: the sum's memory layout follows the left
+    operand, and what the next op computes can depend on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(C, C, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x.transpose(1, 2)).transpose(1, 2) + x
+
+
+class UpdateFirstParallel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.mlp = nn.Conv1d(C, C, 3, padding=1), nn.Linear(C, C)
+
+    def forward(self, x):
+        h = self.conv(x.transpose(1, 2)).transpose(1, 2) + x
+        return self.mlp(x).transpose(1, 2).contiguous().transpose(1, 2) + h
+
+
+@pytest.mark.parametrize("block", [UpdateFirst, UpdateFirstParallel])
+def test_add_keeps_the_operand_order_as_written(block):
+    """``add`` is the model as written, memory layout included (found on HF Inkling: a short-convolution
+    residual ``(hidden_states + residual)`` whose left operand is transposed)."""
+    model = nn.Sequential(nn.Linear(C, C), block())
+    ref = model(SEQ)
+    report = patch_residuals(model, method="add", example_input=SEQ)
+    out = model(SEQ)
+    assert len(report.sites) == 1
+    assert torch.equal(out, ref) and out.stride() == ref.stride()

@@ -65,7 +65,10 @@ _SMALL = {"head_dim": HIDDEN // HEADS, "kv_lora_rank": 16, "q_lora_rank": 16, "q
 _PARALLEL_FLAGS = ("use_parallel_residual", "parallel_attn", "parallel_residual", "parallel_block")
 # architectures whose block is parallel (attention and MLP of the same input, summed before the stream:
 # ``attn + mlp + residual``) without a config flag saying so: one merge per layer
-PARALLEL_FAMILIES = ("gptj", "codegen", "phi")
+PARALLEL_FAMILIES = ("gptj", "codegen", "phi", "cohere", "cohere2", "cohere2_moe")
+# vision models whose attention blocks sit in residual groups, each with a residual of its own, and one more
+# residual around the whole body (SwinIR-style super-resolution)
+RESIDUAL_GROUP_FAMILIES = ("swin2sr",)
 
 
 # what a look at the report of the families that do not match showed (printed with their row in docs/coverage.md)
@@ -82,12 +85,19 @@ NOTES = {
     "gemma4": "3 merges per layer of the text model (structure)",
     "embedding_gemma2": "3 merges per layer (structure, as Gemma 4)",
     "embedding_gemma2_text": "3 merges per layer (structure, as Gemma 4)",
-    "mobilebert": "bottleneck blocks: several residual additions per layer (structure)",
+    "mobilebert": "bottleneck blocks: several residual additions per layer, a residual per FFN of the stack "
+                  "(structure)",
+    "inkling_text": "short convolutions with a residual of their own (`conv(x) + x`) after the attention and the "
+                    "MLP, and on the keys and values: nested residuals (structure)",
+    "inkling2_text": "short convolutions with a residual of their own (`conv(x) + x`): nested residuals (structure)",
+    "inkling_mm_model": "short convolutions with a residual of their own: nested residuals (structure)",
+    "inkling2": "short convolutions with a residual of their own: nested residuals (structure)",
+    "inkling2_loop": "short convolutions with a residual of their own: nested residuals (structure)",
+    "inkling2_loop_text": "short convolutions with a residual of their own: nested residuals (structure)",
     "funnel": "pooling blocks and a decoder: more than 2 per layer (structure)",
     "vits": "flows and convolutional stacks with residuals (structure)",
     "maskformer": "backbone + pixel decoder + transformer decoder: more than the config's layer count (structure)",
     "mask2former": "backbone + pixel decoder + transformer decoder: more than the config's layer count (structure)",
-    "swin2sr": "residual groups around the Swin blocks (structure)",
     "levit": "the subsampling stages' MLPs have residuals too (structure)",
     "hiera": "stage-transition blocks project the stream (no identity merge there: structure)",
     "fnet": "the Fourier mixer has no parameters: `fourier + x` is not a merge by the definition (structure)",
@@ -293,6 +303,9 @@ def expected_merges(cfg, cls_name: str = "") -> tuple:
     if isinstance(depths, (list, tuple)):
         heads = d.get("num_heads", d.get("num_attention_heads"))
         if isinstance(heads, (list, tuple)) and len(heads) == len(depths):
+            if mtype in RESIDUAL_GROUP_FAMILIES:
+                return (2 * sum(depths) + len(depths) + 1,
+                        f"2 x {sum(depths)} attention blocks + {len(depths)} residual groups + 1 around the body")
             return 2 * sum(depths), f"2 x {sum(depths)} attention blocks (stages {list(depths)})"
         return None, "convolutional stages: no structural count from the config"
     if not layers:

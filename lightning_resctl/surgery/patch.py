@@ -764,6 +764,7 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
             rule, path=plan.paths[id(ev0.owner)], location=ev0.location, source_line=_source_line(ev0),
             stream_shape=ev0.shapes[0], chain=ci, positions=positions, dim=d, inplace=inplace, merge=merge,
             chain_module=chain_modules[ci], run=None if not is_chain else _PENDING)
+        sites[key].stream_first = ev0.stream_operand == 0
         sites[key].train(ev0.owner.training)  # new modules follow the mode of the module they are added to
         # set after construction (sites.py is not concerned): branch label and free-function provenance
         sites[key].branch = branch_kind(ev0)
@@ -785,7 +786,8 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
         if ev0.inplace:
             inplace = "stream" if ev0.stream_operand == 0 else "update"
         parts[key] = ParallelPart(final.parallel, first=ev0 is block[0], location=ev0.location,
-                                  source_line=_source_line(ev0), inplace=inplace, merged_at=final.location)
+                                  source_line=_source_line(ev0), inplace=inplace,
+                                  stream_first=ev0.stream_operand == 0, merged_at=final.location)
 
     # chain runs: expected merges per mode, reset/check hooks on each chain's owner
     if is_chain:

@@ -126,13 +126,13 @@ class ParallelRun:
         self.clear()
 
 
-def _plain_add(stream: torch.Tensor, update: torch.Tensor, inplace: Optional[str]) -> torch.Tensor:
-    """The addition as the model wrote it (``+``, or in place on the stream or on the update)."""
+def _plain_add(stream: torch.Tensor, update: torch.Tensor, inplace: Optional[str], stream_first: bool) -> torch.Tensor:
+    """The addition as the model wrote it (``+`` in its operand order, or in place on the stream or the update)."""
     if inplace == "stream":
         return stream.add_(update)
     if inplace == "update":
         return update.add_(stream)
-    return stream + update
+    return stream + update if stream_first else update + stream
 
 
 class ParallelPart(nn.Module):
@@ -142,7 +142,7 @@ class ParallelPart(nn.Module):
     block's last addition, which merges the input with the sum of all branches (one merge per block)."""
 
     def __init__(self, run: ParallelRun, *, first: bool, location: str = "", source_line: str = "",
-                 inplace: Optional[str] = None, merged_at: str = ""):
+                 inplace: Optional[str] = None, stream_first: bool = True, merged_at: str = ""):
         super().__init__()
         if inplace not in (None, "stream", "update"):
             raise ValueError(f"inplace must be None, 'stream' or 'update', got {inplace!r}")
@@ -151,6 +151,7 @@ class ParallelPart(nn.Module):
         self.location = location
         self.source_line = source_line
         self.inplace = inplace
+        self.stream_first = stream_first
         self.merged_at = merged_at
 
     def extra_repr(self) -> str:
@@ -167,7 +168,7 @@ class ParallelPart(nn.Module):
                 f"{self.merged_at}, but its stream is not the partial sum of the block's previous addition: the "
                 "block ran differently from the forward the model was patched on")
         run.updates.append(update.clone() if self.inplace == "update" else update)
-        run.partial = _plain_add(stream, update, self.inplace)
+        run.partial = _plain_add(stream, update, self.inplace, self.stream_first)
         return run.partial
 
 
@@ -187,6 +188,9 @@ class MergeSite(nn.Module):
       chain's stream tensor entering it (chain rules that have one), else ``None``.
     * ``skip_update``: ablation — the update is dropped (per-merge: return the stream).
     """
+
+    #: the model writes ``stream + update`` (False: ``update + stream``; set by the patch)
+    stream_first = True
 
     def __init__(self, rule: Any, *, path: str = "", location: str = "", source_line: str = "",
                  stream_shape: tuple = (), chain: int = 0, positions: tuple = (0,), dim: int = -1,
@@ -305,7 +309,8 @@ class MergeSite(nn.Module):
                 self.observer(self, block_input, total, None)
             if self.skip_update:
                 return block_input
-            return self.rule.merge_parallel(self.merge, block_input, updates, partial, self.inplace)
+            return self.rule.merge_parallel(self.merge, block_input, updates, partial, self.inplace,
+                                            self.stream_first)
         if self.rule.kind == "chain":
             return self._forward_chain(stream, update)
         if self.observer is not None:
@@ -313,7 +318,7 @@ class MergeSite(nn.Module):
             self.observer(self, stream, update, None)
         if self.skip_update:
             return stream
-        return self.rule.merge(self.merge, stream, update, self.inplace)
+        return self.rule.merge_written(self.merge, stream, update, self.inplace, self.stream_first)
 
     def _position_now(self, run: ChainRun) -> int:
         n = run.calls.get(id(self), 0)
