@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-CI_LINE = 'pip install torch==2.13.0 -e ".[test]" && pip install --no-deps litgpt==0.5.13 && python -m pytest -q tests'
+CI_LINE = 'pip install torch==2.13.0 -e ".[test]" && pip install --no-deps litgpt==0.5.13 timm==1.0.31 && python -m pytest -q tests'
 
 
 def _blocks(lang: str) -> list[str]:

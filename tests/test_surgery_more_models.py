@@ -15,20 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_resctl.surgery import merge_sites, patch_residuals, unpatch_residuals
+from surgery_checks import one_thread  # noqa: F401 (module fixture)
 
 C = 16
 IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
 IMG = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
 SEQ = torch.randn(2, 5, C, generator=torch.Generator().manual_seed(3))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads only add contention on a busy CPU (restored after the module)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _run(model, x):
@@ -180,7 +172,8 @@ _S2S = {"input_ids": IDS, "decoder_input_ids": IDS}
 # (model, input, output field, chain lengths, source lines of the merges)
 HF_CASES = {
     "mistral": (_mistral, IDS, "logits", [4], {"hidden_states = residual + hidden_states"}),
-    "cohere-parallel": (_cohere, IDS, "logits", [4],
+    # parallel block written stream first (residual + attn + mlp): one merge of the branches' sum per layer
+    "cohere-parallel": (_cohere, IDS, "logits", [2],
                         {"hidden_states = residual + hidden_states_attention + hidden_states_mlp"}),
     "gemma2-mask-skipped": (_gemma2, IDS, "logits", [4], {"hidden_states = residual + hidden_states"}),
     "granite-multiplier": (_granite, IDS, "logits", [4],
@@ -552,12 +545,13 @@ class _ParallelStreamFirst(nn.Module):
         return x
 
 
-def test_parallel_block_written_stream_first_is_two_merges():
+def test_parallel_block_written_stream_first_is_one_merge():
     """``x + f(x) + g(x)``: g(x) is a branch of the stream added to the first merge's result, not a sum of
-    two unrelated branches."""
+    two unrelated branches: one merge of x and f(x) + g(x) (a parallel block, docs/surgery.md)."""
     report = _check(_ParallelStreamFirst, SEQ)
-    assert [(s.chain, s.position) for s in report.sites] == [(0, 0), (0, 1), (0, 2)]
-    assert [s.stream_operand for s in report.sites] == ["left", "left", "right"]
+    assert [(s.chain, s.position) for s in report.sites] == [(0, 0), (0, 1)]
+    assert [s.stream_operand for s in report.sites] == ["left", "right"]
+    assert [len(s.parallel_parts) for s in report.sites] == [1, 0]
     assert report.skipped == []
 
 

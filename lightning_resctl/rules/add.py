@@ -18,3 +18,13 @@ class AddRule(MergeRule):
         if inplace == "update":
             return update.add_(stream)
         return stream + update
+
+    def merge_written(self, module, stream, update, inplace, stream_first):
+        # the operands in the order written: the result's memory layout follows the left one
+        if inplace is None and not stream_first:
+            return update + stream
+        return self.merge(module, stream, update, inplace)
+
+    def merge_parallel(self, module, stream, updates, partial, inplace, stream_first=True):
+        # the model's own last addition, on its own partial sum: bitwise the block as written
+        return self.merge_written(module, partial, updates[-1], inplace, stream_first)

@@ -134,6 +134,25 @@ class MergeRule:
         with :attr:`merges_in_place` acts on it (for the others the site writes the result into that tensor)."""
         raise NotImplementedError
 
+    def merge_written(self, module: Optional[nn.Module], stream: Tensor, update: Tensor, inplace: Optional[str],
+                      stream_first: bool) -> Tensor:
+        """:meth:`merge` of an addition the model writes with the stream on the left (``stream_first``) or on
+        the right. The default ignores the order; a rule that reproduces the addition as written overrides it
+        (``add``: the result's memory layout follows the left operand)."""
+        return self.merge(module, stream, update, inplace)
+
+    def merge_parallel(self, module: Optional[nn.Module], stream: Tensor, updates: list, partial: Tensor,
+                       inplace: Optional[str], stream_first: bool = True) -> Tensor:
+        """One merge of a parallel block the model writes as several additions (``x = attn_out + x;
+        return mlp_out + x``: every branch reads ``stream``, the block's input): ``updates`` are the branches'
+        outputs in the order they are added, ``partial`` what the model's additions before the last one
+        computed (``stream + updates[0] + ...``), ``inplace`` and ``stream_first`` the spelling of the last one.
+        The default merges the branches' sum: ``merge(module, stream, updates[0] + updates[1] + ..., None)``."""
+        total = updates[0]
+        for u in updates[1:]:
+            total = total + u
+        return self.merge(module, stream, total, None)
+
     def merge_module(self, site: Any, position: int) -> Optional[nn.Module]:
         """The module that holds merge ``position``'s parameters (diagnostics and reports)."""
         return getattr(site, "merge", None)

@@ -1,9 +1,11 @@
-"""Coverage sweep of ``patch_residuals`` over the model families the installed ``transformers`` registers.
+"""Coverage sweeps of ``patch_residuals`` over model zoos: the checks every sweep runs, and the Hugging Face
+transformers sweep (the LitGPT and timm sweeps are :mod:`.coverage_litgpt` and :mod:`.coverage_timm`).
 
-For each family (a ``model_type``): build the model class from its default config shrunk automatically (2
-layers, small widths, random init, nothing downloaded), then check
+For each model — here each family (a ``model_type``) the installed ``transformers`` registers, built from its
+default config shrunk automatically (2 layers, small widths, random init, nothing downloaded) — check
+(:func:`run_checks`)
 
-* ``builds``: the shrunken config and the model build and run one forward;
+* ``builds``: the model builds and runs one forward;
 * ``patches``: ``patch_residuals(method="add")`` finds at least one merge;
 * ``count``: the number of merges against the structural expectation (:func:`expected_merges`);
 * ``add bitwise``: the ``add``-patched model's output equals the unpatched one bitwise;
@@ -11,7 +13,7 @@ layers, small widths, random init, nothing downloaded), then check
 * ``rescontroller`` / ``mgr``: a freshly patched model trains one SGD step with finite loss, gradients and
   output.
 
-``benchmarks/coverage_hf.py`` is the command line; the test suite runs a fixed sample through
+``benchmarks/coverage.py --library hf`` is the command line; the test suite runs a fixed sample through
 :func:`run_family`.
 """
 from __future__ import annotations
@@ -22,12 +24,12 @@ import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["FamilyResult", "families", "shrink_config", "expected_merges", "run_family", "summary_line",
-           "markdown_table"]
+__all__ = ["FamilyResult", "BACKEND", "run_checks", "families", "shrink_config", "expected_merges", "run_family",
+           "summary_line", "markdown_table"]
 
 # the task head of a family is taken from the first mapping that lists it: seq2seq first (so that an
 # encoder-decoder family runs both stacks, not its decoder-only ForCausalLM), then causal LM, masked LM,
@@ -63,7 +65,10 @@ _SMALL = {"head_dim": HIDDEN // HEADS, "kv_lora_rank": 16, "q_lora_rank": 16, "q
 _PARALLEL_FLAGS = ("use_parallel_residual", "parallel_attn", "parallel_residual", "parallel_block")
 # architectures whose block is parallel (attention and MLP of the same input, summed before the stream:
 # ``attn + mlp + residual``) without a config flag saying so: one merge per layer
-PARALLEL_FAMILIES = ("gptj", "codegen", "phi")
+PARALLEL_FAMILIES = ("gptj", "codegen", "phi", "cohere", "cohere2", "cohere2_moe")
+# vision models whose attention blocks sit in residual groups, each with a residual of its own, and one more
+# residual around the whole body (SwinIR-style super-resolution)
+RESIDUAL_GROUP_FAMILIES = ("swin2sr",)
 
 
 # what a look at the report of the families that do not match showed (printed with their row in docs/coverage.md)
@@ -80,12 +85,19 @@ NOTES = {
     "gemma4": "3 merges per layer of the text model (structure)",
     "embedding_gemma2": "3 merges per layer (structure, as Gemma 4)",
     "embedding_gemma2_text": "3 merges per layer (structure, as Gemma 4)",
-    "mobilebert": "bottleneck blocks: several residual additions per layer (structure)",
+    "mobilebert": "bottleneck blocks: several residual additions per layer, a residual per FFN of the stack "
+                  "(structure)",
+    "inkling_text": "short convolutions with a residual of their own (`conv(x) + x`) after the attention and the "
+                    "MLP, and on the keys and values: nested residuals (structure)",
+    "inkling2_text": "short convolutions with a residual of their own (`conv(x) + x`): nested residuals (structure)",
+    "inkling_mm_model": "short convolutions with a residual of their own: nested residuals (structure)",
+    "inkling2": "short convolutions with a residual of their own: nested residuals (structure)",
+    "inkling2_loop": "short convolutions with a residual of their own: nested residuals (structure)",
+    "inkling2_loop_text": "short convolutions with a residual of their own: nested residuals (structure)",
     "funnel": "pooling blocks and a decoder: more than 2 per layer (structure)",
     "vits": "flows and convolutional stacks with residuals (structure)",
     "maskformer": "backbone + pixel decoder + transformer decoder: more than the config's layer count (structure)",
     "mask2former": "backbone + pixel decoder + transformer decoder: more than the config's layer count (structure)",
-    "swin2sr": "residual groups around the Swin blocks (structure)",
     "levit": "the subsampling stages' MLPs have residuals too (structure)",
     "hiera": "stage-transition blocks project the stream (no identity merge there: structure)",
     "fnet": "the Fourier mixer has no parameters: `fourier + x` is not a merge by the definition (structure)",
@@ -106,6 +118,9 @@ NOTES = {
 
 @dataclass
 class FamilyResult:
+    """One model of a sweep: ``family`` (an HF ``model_type``, a LitGPT config name, a timm module) and ``cls``
+    (the class or model name built), what was checked (``None``: not reached) and why it failed."""
+
     family: str
     cls: str = ""
     builds: Optional[bool] = None
@@ -120,6 +135,7 @@ class FamilyResult:
     reason: str = ""              # why it was skipped / failed, or notes
     seconds: float = 0.0
     functions: list = field(default_factory=list)   # free functions holding merges (e.g. dropout_add)
+    parallel: int = 0             # merges of parallel blocks written as several additions
     traceback: str = field(default="", repr=False)
 
     @property
@@ -128,7 +144,10 @@ class FamilyResult:
 
     @property
     def exact(self) -> bool:
-        """Patched with the expected count, bitwise add and bitwise unpatch."""
+        """Patched with the expected count, bitwise add and bitwise unpatch — or, for a model the structure
+        says has no residual merge (expected 0), none found."""
+        if self.builds and self.expected == 0 and self.merges == 0:
+            return True
         return (bool(self.patches) and self.expected is not None and self.merges == self.expected
                 and bool(self.add_bitwise) and bool(self.unpatch_bitwise))
 
@@ -136,6 +155,8 @@ class FamilyResult:
     def status(self) -> str:
         if not self.builds:
             return "skipped"
+        if self.exact and self.merges == 0:
+            return "exact (no residual)"
         if self.exact and self.rescontroller and self.mgr is not False:
             return "exact"
         if self.exact:
@@ -156,7 +177,7 @@ def _time_limit(seconds: Optional[float]):
         return
 
     def handler(signum, frame):
-        raise _Timeout(f"over the per-family time limit ({seconds:g} s)")
+        raise _Timeout(f"over the per-model time limit ({seconds:g} s)")
 
     old = signal.signal(signal.SIGALRM, handler)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -282,6 +303,9 @@ def expected_merges(cfg, cls_name: str = "") -> tuple:
     if isinstance(depths, (list, tuple)):
         heads = d.get("num_heads", d.get("num_attention_heads"))
         if isinstance(heads, (list, tuple)) and len(heads) == len(depths):
+            if mtype in RESIDUAL_GROUP_FAMILIES:
+                return (2 * sum(depths) + len(depths) + 1,
+                        f"2 x {sum(depths)} attention blocks + {len(depths)} residual groups + 1 around the body")
             return 2 * sum(depths), f"2 x {sum(depths)} attention blocks (stages {list(depths)})"
         return None, "convolutional stages: no structural count from the config"
     if not layers:
@@ -339,49 +363,53 @@ def _first_tensor(out):
     raise TypeError(f"no tensor in the output ({type(out).__name__})")
 
 
-def _forward(model, x):
-    torch.manual_seed(0)   # same dropout draws for every compared forward
-    return _first_tensor(model(**x))
+# ---------------------------------------------------------------------------------------------- the checks
+#: the merge rules' backend in the sweeps: the eager torch path (what is measured is the surgery, not the time
+#: the compiled regions take to compile for each new model's shapes)
+BACKEND = "torch-eager"
 
 
-def _train_step(model, x) -> bool:
+def _train_step(model, x, call) -> bool:
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    out = _forward(model, x)
+    torch.manual_seed(0)
+    out = call(model, x)
     loss = out.float().pow(2).mean()
     loss.backward()
     ok = bool(torch.isfinite(loss)) and all(torch.isfinite(p.grad).all() for p in model.parameters()
                                            if p.grad is not None)
     opt.step()
     with torch.no_grad():
-        ok = ok and bool(torch.isfinite(_forward(model, x)).all())
+        torch.manual_seed(0)
+        ok = ok and bool(torch.isfinite(call(model, x)).all())
     return ok
 
 
-# ---------------------------------------------------------------------------------------------- one family
-def run_family(model_type: str, cls_name: Optional[str] = None, timeout: Optional[float] = 30.0) -> FamilyResult:
-    """Build and check one family; never raises (failures are in the result's ``reason``)."""
+def run_checks(res: FamilyResult, build: Callable, timeout: Optional[float] = 30.0, notes: Optional[dict] = None,
+               build_what: str = "the shrunken default config") -> FamilyResult:
+    """The checks of one model of a sweep, filled into ``res``; never raises (failures are in ``res.reason``).
+
+    ``build(res)`` returns ``(model, example_input, call)`` — ``call(model, example_input)`` gives the output
+    tensor compared bit for bit — after setting ``res.expected`` / ``res.expectation``, or None after setting
+    ``res.reason`` when the model cannot be run (skipped). Then: ``patch_residuals(method="add")`` finds merges;
+    its output and the output after ``unpatch_residuals`` equal the unpatched one bitwise (same seed for every
+    forward); a freshly patched ``rescontroller`` and ``mgr`` (backend :data:`BACKEND`) train one SGD step with
+    finite loss, gradients and output. ``notes[res.family]`` is appended to the reason when the model is not
+    exact."""
     from . import patch_residuals, unpatch_residuals
 
-    if cls_name is None:
-        cls_name = families().get(model_type, "")
-    res = FamilyResult(model_type, cls_name)
     t0 = time.perf_counter()
-    stage = "config"
+    stage = "build"
     try:
         with _time_limit(timeout):
-            cfg = shrink_config(model_type)
-            res.expected, res.expectation = expected_merges(cfg, cls_name)
-            stage = "build"
-            torch.manual_seed(0)
-            ref = _model_class(cls_name)(cfg)
-            ref.train()
-            x, why = _example(ref, cfg)
-            if x is None:
+            built = build(res)
+            if built is None:
                 res.builds = False
-                res.reason = why
                 return res
+            ref, x, call = built
+            ref.train()
             with torch.no_grad():
-                before = _forward(ref, x)
+                torch.manual_seed(0)
+                before = call(ref, x)
             res.builds = True
             stage = "patch add"
             model = copy.deepcopy(ref)
@@ -389,31 +417,35 @@ def run_family(model_type: str, cls_name: Optional[str] = None, timeout: Optiona
             res.merges = len(report.sites)
             res.patches = res.merges > 0
             res.functions = sorted({s.function for s in report.sites if s.function})
+            res.parallel = sum(1 for s in report.sites if s.parallel_parts)
             if not res.patches:
-                reasons = sorted({s.reason for s in report.skipped})
-                res.reason = "no merge found" + (f"; skipped: {reasons[0][:120]}" if reasons else "")
+                if res.expected != 0:
+                    reasons = sorted({s.reason for s in report.skipped})
+                    res.reason = "no merge found" + (f"; skipped: {reasons[0][:120]}" if reasons else "")
                 return res
             stage = "add forward"
             with torch.no_grad():
-                res.add_bitwise = bool(torch.equal(_forward(model, x), before))
+                torch.manual_seed(0)
+                res.add_bitwise = bool(torch.equal(call(model, x), before))
                 stage = "unpatch"
                 unpatch_residuals(model)
-                res.unpatch_bitwise = bool(torch.equal(_forward(model, x), before))
+                torch.manual_seed(0)
+                res.unpatch_bitwise = bool(torch.equal(call(model, x), before))
             if res.expected is not None and res.merges != res.expected:
                 res.reason = f"{res.merges} merges, expected {res.expected} ({res.expectation})"
             stage = "rescontroller"
             m = copy.deepcopy(ref)
-            patch_residuals(m, method="rescontroller", example_input=x, backend="torch")
-            res.rescontroller = _train_step(m, x)
+            patch_residuals(m, method="rescontroller", example_input=x, backend=BACKEND)
+            res.rescontroller = _train_step(m, x, call)
             stage = "mgr"
             m = copy.deepcopy(ref)
             try:
-                patch_residuals(m, method="mgr", example_input=x)
+                patch_residuals(m, method="mgr", example_input=x, backend=BACKEND)
             except (RuntimeError, ValueError) as err:   # refusals (shared layers, checkpointing): not a failure
                 res.mgr = None
                 res.reason = (res.reason + "; " if res.reason else "") + f"mgr refused: {str(err)[:100]}"
             else:
-                res.mgr = _train_step(m, x)
+                res.mgr = _train_step(m, x, call)
     except _Timeout as err:
         res.reason = f"{stage}: {err}"
         if res.builds is None:
@@ -422,26 +454,52 @@ def run_family(model_type: str, cls_name: Optional[str] = None, timeout: Optiona
         msg = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
         if res.builds is None:
             res.builds = False
-            res.reason = f"cannot {stage} from the shrunken default config: {msg}"
+            res.reason = f"cannot {stage} from {build_what}: {msg}"
         else:
             res.reason = f"{stage} failed: {msg}"
             res.traceback = traceback.format_exc(limit=-3)
     finally:
         res.seconds = time.perf_counter() - t0
-        if model_type in NOTES and res.status != "exact":
-            res.reason = (res.reason + " -- " if res.reason else "") + "note: " + NOTES[model_type]
+        if notes and res.family in notes and not res.exact:
+            res.reason = (res.reason + " -- " if res.reason else "") + "note: " + notes[res.family]
     return res
 
 
+# ---------------------------------------------------------------------------------------------- one family
+def run_family(model_type: str, cls_name: Optional[str] = None, timeout: Optional[float] = 30.0) -> FamilyResult:
+    """Build and check one family (:func:`run_checks`); never raises (failures are in the result's ``reason``)."""
+    if cls_name is None:
+        cls_name = families().get(model_type, "")
+
+    def build(res):
+        cfg = shrink_config(model_type)
+        res.expected, res.expectation = expected_merges(cfg, cls_name)
+        torch.manual_seed(0)
+        ref = _model_class(cls_name)(cfg)
+        ref.train()
+        x, why = _example(ref, cfg)
+        if x is None:
+            res.reason = why
+            return None
+        return ref, x, _call
+
+    return run_checks(FamilyResult(model_type, cls_name), build, timeout, NOTES)
+
+
+def _call(model, x):
+    return _first_tensor(model(**x))
+
+
 # ---------------------------------------------------------------------------------------------- output
-def summary_line(results: list) -> str:
+def summary_line(results: list, noun: str = "families") -> str:
+    """One line: how many were tried, built, patched exactly (and the share of the built ones)."""
     tried = len(results)
     built = [r for r in results if r.builds]
     exact = [r for r in results if r.exact]
     skipped = tried - len(built)
     unchecked = [r for r in results if r.status == "patched (no expectation)"]
     pct = 100.0 * len(exact) / len(built) if built else 0.0
-    return (f"{tried} families tried, {len(exact)} patched exactly, {skipped} skipped with reason "
+    return (f"{tried} {noun} tried, {len(exact)} patched exactly, {skipped} skipped with reason "
             f"({len(built)} built: {pct:.0f}% patched exactly, {len(unchecked)} more patched bitwise without a "
             f"structural expectation)")
 
@@ -450,8 +508,9 @@ def _mark(v) -> str:
     return "-" if v is None else ("yes" if v else "**no**")
 
 
-def markdown_table(results: list) -> str:
-    rows = ["| family | class | builds | merges / expected | add bitwise | unpatch bitwise | rescontroller | mgr "
+def markdown_table(results: list, first: str = "family", second: str = "class") -> str:
+    """The results as a markdown table (``first`` / ``second``: the headers of ``family`` / ``cls``)."""
+    rows = [f"| {first} | {second} | builds | merges / expected | add bitwise | unpatch bitwise | rescontroller | mgr "
             "| status | reason / note |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -459,6 +518,8 @@ def markdown_table(results: list) -> str:
         note = r.reason
         if r.functions:
             note = (note + "; " if note else "") + "merges in " + ", ".join(f"`{f}()`" for f in r.functions)
+        if r.parallel:
+            note = (note + "; " if note else "") + f"{r.parallel} parallel block(s) written as several additions"
         rows.append(f"| {r.family} | {r.cls} | {_mark(r.builds)} | {count} | {_mark(r.add_bitwise)} | "
                     f"{_mark(r.unpatch_bitwise)} | {_mark(r.rescontroller)} | {_mark(r.mgr)} | {r.status} | "
                     f"{note.replace('|', '/')} |")

@@ -13,7 +13,14 @@ is part of the method's own source and needs no call site.
 
 An addition is a *merge* when both operands have the same shape (floating point, at least 1-D) and one
 operand, the *stream*, is an ancestor of the other, the *update*, through a branch holding learned
-parameters. Everything else is reported with the reason it is not a merge.
+parameters. A parallel block written as several additions (``x = attn + x; return mlp + x``) is one merge
+of the block's input and the branches' sum: each addition after the first adds a branch of the first one's
+stream to the previous one's result (``AddEvent.parallel_of``). Everything else is reported with the reason
+it is not a merge.
+
+Writes in place keep the dataflow: an op that writes its input (``add_``, ``index_put_``, ``out=``,
+``y[index] = value``, hence ``y[index] += value``) gives that tensor a new node depending on the write, and
+so does every other tensor seen on the same storage (a view written through, the tensor a view was taken of).
 """
 from __future__ import annotations
 
@@ -42,6 +49,8 @@ _GLUE_FILES = ("torch/overrides.py", "torch/_tensor.py", "torch/utils/_device.py
 # frames of nn.Module's call machinery: a function called from there (a hook) has no call site to redirect
 _MODULE_CALL_FILES = ("torch/nn/modules/module.py",)
 _MAX_CALL_DEPTH = 6
+# ops taking a part of their first input (a stream may be the part of a tensor its branch reads whole)
+_SLICES = {"__getitem__", "narrow", "select"}
 
 
 @dataclass
@@ -88,10 +97,28 @@ class AddEvent:
     branch_learned: tuple = ()            # module paths of the branch's learned ops, in execution order
     feature_dim: int = -1                 # 1 when the branch starts with a convolution (channels-first)
     checkpointed: bool = False            # ran inside torch.utils.checkpoint (activation recomputation)
+    # a parallel block written as several additions (``x = attn + x; return mlp + x``): this addition adds a
+    # branch of the block's input ``parallel_stream`` to the result of the block's previous addition
+    # ``parallel_of`` (an event index); that one is then ``joined_by`` this one (a partial sum, not a merge
+    # of its own). ``refusal``: why such a block cannot be patched (the partial sum is read elsewhere)
+    parallel_of: Optional[int] = None
+    parallel_stream: Optional[int] = None
+    joined_by: Optional[int] = None
+    refusal: Optional[str] = None
 
     @property
     def is_merge(self) -> bool:
         return self.stream_operand is not None
+
+    @property
+    def is_partial(self) -> bool:
+        """An addition of a parallel block before its last one: merged by the block's last addition."""
+        return self.joined_by is not None
+
+    @property
+    def stream_node(self) -> int:
+        """The node of the stream this merge merges into (a parallel block's input for its last addition)."""
+        return self.parallel_stream if self.parallel_stream is not None else self.operands[self.stream_operand]
 
     @property
     def location(self) -> str:
@@ -149,6 +176,7 @@ class _Recorder(TorchFunctionMode):
         self.module_paths = module_paths
         self.module_stack: list[str] = []
         self.method_cache: dict = {}
+        self.aliases: dict = {}   # storage key -> {id(tensor): tensor} of the tensors seen on that storage
 
     # -- graph bookkeeping
     def _node_for(self, t: torch.Tensor) -> int:
@@ -160,7 +188,29 @@ class _Recorder(TorchFunctionMode):
                                    static=kind == "param"))
             self.node_of[id(t)] = idx
             self.keep.append(t)
+            self._register_storage(t)
         return idx
+
+    def _register_storage(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key is not None:
+            self.aliases.setdefault(key, {})[id(t)] = t
+
+    def _written(self, t: torch.Tensor, write: int) -> None:
+        """``t`` was written in place by node ``write``: every other tensor seen on its storage (a view of it,
+        the tensor it views) now depends on that write too (``y.view(-1).index_add_(...)``, ``y[i] += v``)."""
+        key = _storage_key(t)
+        if key is None:
+            return
+        for other in list(self.aliases.get(key, {}).values()):
+            old = self.node_of.get(id(other))
+            if other is t or old is None or old == write:
+                continue
+            idx = len(self.nodes)
+            self.nodes.append(Node(idx, "written_alias", (old, write), False, self.nodes[write].module,
+                                   tuple(other.shape), other.is_floating_point(),
+                                   self.nodes[old].static and self.nodes[write].static))
+            self.node_of[id(other)] = idx
 
     def _tensors(self, obj, out: list) -> list:
         if isinstance(obj, torch.Tensor):
@@ -189,24 +239,28 @@ class _Recorder(TorchFunctionMode):
                                 a.dim())
         result = func(*args, **kwargs)
         out_tensors = self._tensors(result, [])
+        if func is torch.Tensor.__setitem__ and args and isinstance(args[0], torch.Tensor):
+            out_tensors = [args[0]]   # ``y[index] = value`` (also the write-back of ``y[index] += value``)
         if out_tensors:
             name = getattr(func, "__name__", type(func).__name__)
             inputs = () if name in _VALUE_FREE else in_nodes[:1] if name in _FIRST_INPUT_ONLY else in_nodes
             learned = any(self.nodes[i].static for i in inputs)
             static = bool(inputs) and all(self.nodes[i].static for i in inputs)
             in_ids = {id(t) for t in in_tensors}
-            inplace = name.endswith("_") and not name.startswith("__") or name.startswith("__i")
-            new = None
-            for t in out_tensors:
+            inplace = (name.endswith("_") and not name.startswith("__") or name.startswith("__i")
+                       or func is torch.Tensor.__setitem__)
+            for t in out_tensors:   # one node per output: the chunks of ``split`` are not each other's ancestors
                 if id(t) in in_ids and not inplace and "out" not in kwargs:
                     continue  # an op that returned its input unchanged: keep the tensor's node
-                if new is None:
-                    new = len(self.nodes)
-                    self.nodes.append(Node(new, name, inputs, learned,
-                                           self.module_stack[-1] if self.module_stack else "",
-                                           tuple(t.shape), t.is_floating_point(), static))
+                new = len(self.nodes)
+                self.nodes.append(Node(new, name, inputs, learned, self.module_stack[-1] if self.module_stack else "",
+                                       tuple(t.shape), t.is_floating_point(), static))
                 self.node_of[id(t)] = new
                 self.keep.append(t)
+                if id(t) in in_ids:   # written in place (add_, index_put_, out=, ``y[i] = v``)
+                    self._written(t, new)
+                else:
+                    self._register_storage(t)
             if operand_nodes is not None:
                 self._record_add(func, args, kwargs, operand_nodes, operand_meta, out_tensors)
         return result
@@ -286,6 +340,17 @@ class _Recorder(TorchFunctionMode):
         return None, None, code, ()
 
 
+def _storage_key(t: torch.Tensor) -> Optional[tuple]:
+    """(device, address) of ``t``'s storage; None for tensors without one (empty, meta, some subclasses)."""
+    try:
+        if t.numel() == 0:
+            return None
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return (str(t.device), ptr) if ptr else None
+
+
 def _inside_checkpoint(frame: Optional[FrameType]) -> bool:
     """True when the addition runs inside ``torch.utils.checkpoint`` (any variant): a recomputing wrapper
     on the call stack, or saved-tensor hooks installed by it."""
@@ -362,6 +427,9 @@ def observe(model: nn.Module, example_input: Any) -> Observation:
         _classify(ev, rec.nodes, merge_of)
         if ev.is_merge:
             merge_of[ev.result] = ev
+        if ev.parallel_of is not None:
+            rec.events[ev.parallel_of].joined_by = ev.index
+    _check_partial_sums(rec.events, rec.nodes)
     obs = Observation(rec.nodes, rec.events, module_paths, len(module_paths), len(rec.nodes), calls)
     rec.keep.clear()
     return obs
@@ -428,33 +496,50 @@ def _classify(ev: AddEvent, nodes: list, merge_of: Optional[dict] = None) -> Non
             ev.reason = ("the update is computed from the stream without learned parameters "
                          "(an elementwise expression, not a branch)")
             return
-        crossed = sorted(n for n in between if n in (merge_of or {}))
-        if crossed:
+        # a merge on the way merges into a stream of its own (not this one, nor one computed from it): this
+        # operand is a tensor reused across layers, not a stream. A merge into this stream or into a tensor of
+        # the branch is a residual nested in the branch (a block inside a residual group, a residual norm)
+        foreign = _foreign_merges(stream, between, merge_of or {})
+        if foreign:
             ev.reason = ("the other operand depends on this one only through another residual merge "
-                         f"({merge_of[crossed[0]].location}): a tensor reused across layers (e.g. an attention "
+                         f"({merge_of[foreign[0]].location}): a tensor reused across layers (e.g. an attention "
                          "position bias added to every layer's scores), not a stream and its branch")
             return
-        ev.stream_operand = idx
-        ev.branch_ops = frozenset(nodes[n].op for n in between)
-        ev.branch_modules = frozenset(nodes[n].module for n in between)
-        ev.branch_learned = _learned_modules(nodes, between)
-        first = nodes[min(n for n in between if nodes[n].learned)]
-        ev.feature_dim = 1 if ev.ndim >= 3 and "conv" in first.op else -1
+        _set_branch(ev, idx, nodes, between)
         return
-    # neither operand depends on the other. ``x + f(x) + g(x)`` (a parallel block written stream first):
-    # the outer addition adds g(x), a branch of the inner merge's stream, to that merge's result
+    # neither operand depends on the other. A part of a tensor (``x[:, :1]``, a class token; DPN's residual
+    # channels) whose branch reads the whole tensor: the part is the stream, the branch its update
+    for stream, update, idx in ((a, b, 0), (b, a, 1)):
+        node = nodes[stream]
+        if node.op not in _SLICES or not node.inputs:
+            continue
+        whole = node.inputs[0]
+        between = _path_between(nodes, whole, update)
+        if between is None or stream in between or not any(nodes[n].learned for n in between):
+            continue
+        if _foreign_merges(whole, between, merge_of or {}):
+            continue
+        _set_branch(ev, idx, nodes, between)
+        return
+    # A parallel block written as several additions
+    # (``x = attn + x; return mlp + x``, ``x + attn + mlp``): one operand is the result of a merge, the other a
+    # branch of that merge's stream (the block's input) -- the block's next partial sum, or its last addition
     for stream, update, idx in ((a, b, 0), (b, a, 1)):
         prev = (merge_of or {}).get(stream)
-        while prev is not None and _inside(prev, ev):
-            between = _path_between(nodes, prev.operands[prev.stream_operand], update)
-            if between is not None and any(nodes[n].learned for n in between):
-                ev.stream_operand = idx
-                ev.branch_ops = frozenset(nodes[n].op for n in between)
-                ev.branch_modules = frozenset(nodes[n].module for n in between)
-                ev.branch_learned = _learned_modules(nodes, between)
-                ev.feature_dim = prev.feature_dim
-                return
-            prev = merge_of.get(prev.operands[prev.stream_operand])
+        if prev is None:
+            continue
+        root = prev.stream_node
+        between = _path_between(nodes, root, update)
+        if between is None or not any(nodes[n].learned for n in between) or any(n in merge_of for n in between):
+            continue
+        ev.stream_operand = idx
+        ev.parallel_of = prev.index
+        ev.parallel_stream = root
+        ev.branch_ops = prev.branch_ops | frozenset(nodes[n].op for n in between)
+        ev.branch_modules = prev.branch_modules | frozenset(nodes[n].module for n in between)
+        ev.branch_learned = tuple(dict.fromkeys(prev.branch_learned + _learned_modules(nodes, between)))
+        ev.feature_dim = prev.feature_dim
+        return
     anc_a = _ancestors(nodes, a)
     anc_b = _ancestors(nodes, b)
     common = [n for n in anc_a & anc_b if nodes[n].op != "param" and nodes[n].floating]
@@ -473,17 +558,56 @@ def _classify(ev: AddEvent, nodes: list, merge_of: Optional[dict] = None) -> Non
                      "e.g. parallel branches or a learned shortcut)")
 
 
+def _foreign_merges(stream: int, between: set, merge_of: dict) -> list:
+    """Merges on the path ``between`` that merge into a stream of their own (neither ``stream`` nor a tensor
+    computed from it), in order."""
+    return sorted(n for n in between if n in merge_of
+                  and merge_of[n].stream_node != stream and merge_of[n].stream_node not in between)
+
+
+def _set_branch(ev: AddEvent, idx: int, nodes: list, between: set) -> None:
+    """Classify ``ev`` as a merge whose stream is operand ``idx`` and whose branch is the nodes ``between``."""
+    ev.stream_operand = idx
+    ev.branch_ops = frozenset(nodes[n].op for n in between)
+    ev.branch_modules = frozenset(nodes[n].module for n in between)
+    ev.branch_learned = _learned_modules(nodes, between)
+    first = nodes[min(n for n in between if nodes[n].learned)]
+    ev.feature_dim = 1 if ev.ndim >= 3 and "conv" in first.op else -1
+
+
+def _check_partial_sums(events: list, nodes: list) -> None:
+    """A parallel block is one merge only when each partial sum feeds the block's next addition and nothing
+    else; otherwise its last addition gets a ``refusal`` naming the reader."""
+    readers: dict = {}
+    for node in nodes:
+        for i in node.inputs:
+            readers.setdefault(i, []).append(node.index)
+
+    def read_by(n: int, depth: int = 0) -> set:
+        out = set()
+        for r in readers.get(n, ()):
+            if nodes[r].op == "written_alias" and depth < 8:   # another name of the tensor: who reads it
+                out |= read_by(r, depth + 1)
+            else:
+                out.add(r)
+        return out
+
+    for ev in events:
+        if ev.parallel_of is None:
+            continue
+        prev = events[ev.parallel_of]
+        others = read_by(prev.result) - {ev.result}
+        if others:
+            other = nodes[min(others)]
+            where = f" in {other.module}" if other.module else ""
+            ev.refusal = (f"the sum of the merge at {prev.location} is also read by a {other.op!r} op{where}, not "
+                          "only by this addition of another branch of the same input")
+            prev.joined_by = None   # not a partial sum: a merge of its own
+
+
 def _learned_modules(nodes: list, between: set) -> tuple:
     """Module paths running the learned ops of a branch, in execution order, each once."""
     return tuple(dict.fromkeys(nodes[n].module for n in sorted(between) if nodes[n].learned))
-
-
-def _inside(inner: AddEvent, outer: AddEvent) -> bool:
-    """``inner`` is an addition of the same expression as ``outer`` (same code, its span inside outer's)."""
-    p, q = inner.position, outer.position
-    if inner.code is not outer.code or p is None or q is None or None in p or None in q:
-        return False
-    return (p[0], p[2]) >= (q[0], q[2]) and (p[1], p[3]) <= (q[1], q[3])
 
 
 def short_path(filename: str) -> str:

@@ -20,7 +20,7 @@ from .rewrite import (
     patched_subclass,
     unwrap_depth,
 )
-from .sites import ChainEnd, ChainRun, ChainStart, MergeSite
+from .sites import ChainEnd, ChainRun, ChainStart, MergeSite, ParallelPart, ParallelRun
 
 __all__ = ["patch_residuals", "unpatch_residuals", "get_patch_report", "merge_sites"]
 
@@ -343,6 +343,15 @@ def _plan(model: nn.Module, obs: Observation, rule, include, exclude) -> _Plan:
         if exclude is not None and _matches(p, exclude):
             skip_reasons[ev.index] = "matched by exclude"
             continue
+        if ev.refusal:
+            prev = obs.events[ev.parallel_of]
+            raise ValueError(
+                f"cannot patch the addition at {ev.location} ({_source_line(ev)!r}, in {p!r}): it adds a branch of "
+                f"the input of the merge at {prev.location} ({_source_line(prev)!r}) to that merge's result, like "
+                f"the second addition of a parallel block, but {ev.refusal}. Patching the two additions as two "
+                "merges would feed that branch a stream the rule never produced, and patching one alone would "
+                f"leave the other raw (a half-patched network): exclude the module (exclude=[{p!r}]) or write "
+                "the block as one addition of the branches' sum (x + (attn_out + mlp_out))")
         candidates.append(ev)
 
     # an expression is patched only when every execution of it is the same kind of merge
@@ -353,20 +362,20 @@ def _plan(model: nn.Module, obs: Observation, rule, include, exclude) -> _Plan:
     ok = []
     for ev in candidates:
         group = all_by_key[_site_key(ev)]
-        kinds = {(g.is_merge, g.stream_operand) for g in group}
+        kinds = {(g.is_merge, g.stream_operand, g.is_partial, g.parallel_of is not None) for g in group}
         if len(kinds) > 1:
             skip_reasons[ev.index] = ("this expression is a merge in some executions and not in others "
-                                      "(or swaps stream and update)")
+                                      "(or swaps stream and update, or ends a parallel block in some only)")
         else:
             ok.append(ev)
     candidates = ok
 
-    # rewrite feasibility, per owner instance
-    candidates, methods, rewritten = _prepare_rewrites(candidates, skip_reasons)
+    # rewrite feasibility, per owner instance; a parallel block is patched whole or not at all
+    candidates, methods, rewritten = _prepare_whole_blocks(candidates, obs.events, skip_reasons)
 
     # chains (and, for MGR, one chain per site)
     while True:
-        chains = _build_chains(candidates, obs.nodes)
+        chains = _build_chains([ev for ev in candidates if not ev.is_partial], obs.nodes)
         if rule.kind != "chain":
             break
         chain_of = {}
@@ -381,7 +390,7 @@ def _plan(model: nn.Module, obs: Observation, rule, include, exclude) -> _Plan:
                 skip_reasons[ev.index] = (f"one expression runs merges of several chains (shared module): "
                                           f"method={rule.name!r} carries one chain's state per site")
         candidates = [ev for ev in candidates if _site_key(ev) not in bad]
-        candidates, methods, rewritten = _prepare_rewrites(candidates, skip_reasons)
+        candidates, methods, rewritten = _prepare_whole_blocks(candidates, obs.events, skip_reasons)
 
     groups: dict = {}
     for ev in candidates:
@@ -399,6 +408,39 @@ def _plan(model: nn.Module, obs: Observation, rule, include, exclude) -> _Plan:
         else:
             skipped[key] = SkippedInfo(p, ev.location, _source_line(ev), reason)
     return _Plan(candidates, chains, groups, list(skipped.values()), methods, rewritten, paths)
+
+
+def _parallel_block(ev: AddEvent, events: list) -> list:
+    """The additions of the parallel block ``ev`` belongs to (just ``[ev]`` for an ordinary merge)."""
+    first = ev
+    while first.parallel_of is not None and events[first.parallel_of].joined_by == first.index:
+        first = events[first.parallel_of]
+    block = [first]
+    while block[-1].joined_by is not None:
+        block.append(events[block[-1].joined_by])
+    return block
+
+
+def _prepare_whole_blocks(candidates: list, events: list, skip_reasons: dict):
+    """:func:`_prepare_rewrites`, dropping every parallel block one of whose additions is not patched (its
+    partial sums would be added raw, its last addition would wait for them): a block is patched whole or not
+    at all."""
+    while True:
+        kept = {ev.index for ev in candidates}
+        drop = {}
+        for ev in candidates:
+            block = _parallel_block(ev, events)
+            missing = [m for m in block if m.index not in kept]
+            if missing:
+                drop[ev.index] = (f"part of the parallel block merged at {block[-1].location}, whose addition at "
+                                  f"{missing[0].location} is not patched"
+                                  + (f" ({skip_reasons[missing[0].index]})" if missing[0].index in skip_reasons
+                                     else ""))
+        skip_reasons.update(drop)
+        candidates = [ev for ev in candidates if ev.index not in drop]
+        candidates, methods, rewritten = _prepare_rewrites(candidates, skip_reasons)
+        if all(m.index in {ev.index for ev in candidates} for ev in candidates for m in _parallel_block(ev, events)):
+            return candidates, methods, rewritten
 
 
 def _prepare_rewrites(candidates: list, skip_reasons: dict):
@@ -523,7 +565,7 @@ def _build_chains(merges: list, nodes: list) -> list:
         return None
 
     for ev in merges:
-        stream = ev.operands[ev.stream_operand]
+        stream = ev.stream_node
         t = tail(stream)
         ci = None if t is None or (ev.feature_dim != -1 and t != stream) else tail_of.pop(t)
         if ci is None:
@@ -663,6 +705,8 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
     sites: dict = {}
     for key, group in plan.groups.items():
         ev0 = group[0]
+        if ev0.is_partial:
+            continue
         ci = chain_index[ev0.index]
         d = chain_dims[ci]
         positions = tuple(position_of[ev.index] for ev in group)
@@ -674,11 +718,30 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
             rule, path=plan.paths[id(ev0.owner)], location=ev0.location, source_line=_source_line(ev0),
             stream_shape=ev0.shapes[0], chain=ci, positions=positions, dim=d, inplace=inplace, merge=merge,
             chain_module=chain_modules[ci], run=None if not is_chain else _PENDING)
+        sites[key].stream_first = ev0.stream_operand == 0
         sites[key].train(ev0.owner.training)  # new modules follow the mode of the module they are added to
         # set after construction (sites.py is not concerned): branch label and free-function provenance
         sites[key].branch = branch_kind(ev0)
         sites[key].function = ev0.function_name if ev0.calls else ""
         sites[key].called_at = ev0.call_location
+
+    # parallel blocks written as several additions: each addition before the last is a ParallelPart feeding
+    # the last one's site
+    parts: dict = {}
+    for key, group in plan.groups.items():
+        ev0 = group[0]
+        if not ev0.is_partial:
+            continue
+        block = _parallel_block(ev0, obs.events)
+        final = sites[_site_key(block[-1])]
+        if final.parallel is None:
+            final.__dict__["_parallel"] = ParallelRun()
+        inplace = None
+        if ev0.inplace:
+            inplace = "stream" if ev0.stream_operand == 0 else "update"
+        parts[key] = ParallelPart(final.parallel, first=ev0 is block[0], location=ev0.location,
+                                  source_line=_source_line(ev0), inplace=inplace,
+                                  stream_first=ev0.stream_operand == 0, merged_at=final.location)
 
     # chain runs: expected merges per mode, reset/check hooks on each chain's owner
     if is_chain:
@@ -701,20 +764,22 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
         sub = plan.rewritten[oid]
         names = []
         for key, attr in attrs.items():
-            owner.add_module(attr, sites[key])
+            owner.add_module(attr, sites[key] if key in sites else parts[key])
             names.append(attr)
         owner.__class__ = sub
         state.owners.append((owner, cls, names))
 
     # report entries: one per merge execution
-    for ev in sorted(plan.merges, key=lambda e: (chain_index[e.index], position_of[e.index])):
+    for ev in sorted((e for e in plan.merges if not e.is_partial),
+                     key=lambda e: (chain_index[e.index], position_of[e.index])):
         site = sites[_site_key(ev)]
         report.sites.append(SiteInfo(
             path=site.path, location=site.location, source_line=site.source_line, stream_shape=site.stream_shape,
             chain=chain_index[ev.index], position=position_of[ev.index], method=rule.name, dim=site.dim,
             stream_operand="left" if ev.stream_operand == 0 else "right", site=site,
             branch=getattr(site, "branch", ""), function=getattr(site, "function", ""),
-            called_at=getattr(site, "called_at", "")))
+            called_at=getattr(site, "called_at", ""),
+            parallel_parts=tuple(f"{m.location}: {_source_line(m)}" for m in _parallel_block(ev, obs.events)[:-1])))
     return state
 
 

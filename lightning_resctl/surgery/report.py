@@ -27,6 +27,7 @@ class SiteInfo:
     function: str = ""        # the free function holding the addition (e.g. "dropout_add"), "" when it is in
     #                           the module's own method; ``location`` is then in that function
     called_at: str = ""       # "file:line" of the call in the module's method that reaches ``function``
+    parallel_parts: tuple = ()  # a parallel block's earlier additions merged here ("file:line: source"), in order
 
     @property
     def module(self) -> nn.Module | None:
@@ -49,6 +50,7 @@ class SiteInfo:
             "branch": self.branch,
             "function": self.function,
             "called_at": self.called_at,
+            "parallel_parts": list(self.parallel_parts),
         }
 
 
@@ -137,6 +139,10 @@ class PatchReport:
                     where += f" in {s.function}() called at {s.called_at.rsplit(':', 1)[-1]}" \
                         if s.called_at.rsplit(":", 1)[0] == s.location.rsplit(":", 1)[0] \
                         else f" in {s.function}() called at {s.called_at}"
+                if s.parallel_parts:   # a parallel block written as several additions: where the others are
+                    where += " (with " + ", ".join(p.split(": ", 1)[0].rsplit(":", 1)[-1] if
+                                                   p.split(": ", 1)[0].rsplit(":", 1)[0] == s.location.rsplit(":", 1)[0]
+                                                   else p.split(": ", 1)[0] for p in s.parallel_parts) + ")"
                 rows.append((str(s.chain), str(s.position), s.path or "<root>", s.branch or "-",
                              "x".join(str(d) for d in s.stream_shape) + ("" if s.dim == -1 else f" (dim {s.dim})"),
                              where, _clip(s.source_line, 48)))

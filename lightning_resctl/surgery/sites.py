@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-__all__ = ["MergeSite", "ChainRun"]
+__all__ = ["MergeSite", "ChainRun", "ParallelRun", "ParallelPart"]
 
 
 class ChainRun:
@@ -103,6 +103,75 @@ class ChainEnd:
                 "use a per-merge rule (e.g. method='rescontroller') for this model")
 
 
+class ParallelRun:
+    """Per-forward state of one parallel block written as several additions, shared by its parts and its
+    last addition's :class:`MergeSite` (a plain object, not a Module): the block's input, the branches'
+    outputs so far, and the partial sum the model's code holds."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.stream: Optional[torch.Tensor] = None
+        self.updates: list = []
+        self.partial: Optional[torch.Tensor] = None
+
+    def __deepcopy__(self, memo):
+        return ParallelRun()
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self.clear()
+
+
+def _plain_add(stream: torch.Tensor, update: torch.Tensor, inplace: Optional[str], stream_first: bool) -> torch.Tensor:
+    """The addition as the model wrote it (``+`` in its operand order, or in place on the stream or the update)."""
+    if inplace == "stream":
+        return stream.add_(update)
+    if inplace == "update":
+        return update.add_(stream)
+    return stream + update if stream_first else update + stream
+
+
+class ParallelPart(nn.Module):
+    """An addition of a parallel block before its last one (``x = attn_out + x`` in ``x = attn_out + x;
+    return mlp_out + x``): it computes the addition as written — the partial sum only the block's next
+    addition reads — and hands the block's input and the branch's output to the :class:`MergeSite` of the
+    block's last addition, which merges the input with the sum of all branches (one merge per block)."""
+
+    def __init__(self, run: ParallelRun, *, first: bool, location: str = "", source_line: str = "",
+                 inplace: Optional[str] = None, stream_first: bool = True, merged_at: str = ""):
+        super().__init__()
+        if inplace not in (None, "stream", "update"):
+            raise ValueError(f"inplace must be None, 'stream' or 'update', got {inplace!r}")
+        self.__dict__["_run"] = run
+        self.first = first
+        self.location = location
+        self.source_line = source_line
+        self.inplace = inplace
+        self.stream_first = stream_first
+        self.merged_at = merged_at
+
+    def extra_repr(self) -> str:
+        return f"parallel block part at={self.location}, merged at={self.merged_at}"
+
+    def forward(self, stream: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        run = self._run
+        if self.first:
+            run.clear()
+            run.stream = stream.clone() if self.inplace == "stream" else stream
+        elif run.partial is None or stream is not run.partial:
+            raise RuntimeError(
+                f"the addition at {self.location} ({self.source_line!r}) is part of a parallel block merged at "
+                f"{self.merged_at}, but its stream is not the partial sum of the block's previous addition: the "
+                "block ran differently from the forward the model was patched on")
+        run.updates.append(update.clone() if self.inplace == "update" else update)
+        run.partial = _plain_add(stream, update, self.inplace, self.stream_first)
+        return run.partial
+
+
 class MergeSite(nn.Module):
     """One patched residual addition.
 
@@ -124,6 +193,9 @@ class MergeSite(nn.Module):
     inputs), and the result is written into the operand's storage, so other names bound to it see the merged
     value, as in the original model (rules with ``merges_in_place``, e.g. ``add``, do it themselves).
     """
+
+    #: the model writes ``stream + update`` (False: ``update + stream``; set by the patch)
+    stream_first = True
 
     def __init__(self, rule: Any, *, path: str = "", location: str = "", source_line: str = "",
                  stream_shape: tuple = (), chain: int = 0, positions: tuple = (0,), dim: int = -1,
@@ -153,6 +225,7 @@ class MergeSite(nn.Module):
         # children so its parameters have a single name.
         self.__dict__["_chain_module"] = chain_module
         self.__dict__["_run"] = run
+        self.__dict__["_parallel"] = None   # a ParallelRun when this is the last addition of a parallel block
         if rule.kind == "chain" and (chain_module is None or run is None):
             raise ValueError(f"method={rule.name!r} is a chain rule: the site needs chain_module and run")
 
@@ -214,9 +287,20 @@ class MergeSite(nn.Module):
                 "patch the model the same way before loading")
 
     # ------------------------------------------------------------------ runtime
+    @property
+    def parallel(self) -> Optional[ParallelRun]:
+        """The :class:`ParallelRun` when this site is the last addition of a parallel block, else None."""
+        return self._parallel
+
     def forward(self, stream: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         """Merge ``update`` into ``stream``; the result has the stream's shape (and is the operand written in
-        place for an in-place merge)."""
+        place for an in-place merge).
+
+        The last addition of a parallel block (``return mlp_out + x`` after ``x = attn_out + x``) merges the
+        block's input with the sum of the branches (``attn_out + mlp_out``): ``stream`` is then the partial
+        sum its :class:`ParallelPart` computed."""
+        if self._parallel is not None:
+            return self._merge_parallel(stream, update)
         if self.inplace is None or self.rule.merges_in_place:
             return self._merge(stream, update)
         if self.inplace == "stream":
@@ -224,6 +308,33 @@ class MergeSite(nn.Module):
         else:
             target, update = update, update.clone()
         return target.copy_(self._merge(stream, update))
+
+    def _merge_parallel(self, partial: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        par = self._parallel
+        if par.partial is None or partial is not par.partial:
+            raise RuntimeError(
+                f"the merge at {self.location} ({self.source_line!r}) ends a parallel block, but its stream is "
+                "not the partial sum of the block's previous addition: the block ran differently from the "
+                "forward the model was patched on")
+        block_input, updates = par.stream, par.updates + [update]
+        par.clear()
+        if self.rule.kind != "chain" and self.observer is None and not self.skip_update:
+            return self.rule.merge_parallel(self.merge, block_input, updates, partial, self.inplace,
+                                            self.stream_first)
+        total = updates[0]
+        for u in updates[1:]:
+            total = total + u
+        if self.rule.kind == "chain":
+            merged = self._forward_chain(block_input, total)
+        else:
+            self.current_position = self.position
+            self.observer(self, block_input, total, None)
+            merged = block_input if self.skip_update else self.rule.merge_parallel(
+                self.merge, block_input, updates, partial, self.inplace, self.stream_first)
+        if self.inplace is None or (self.rule.merges_in_place and not self.skip_update and self.rule.kind != "chain"):
+            return merged
+        # an in-place last addition (``x += mlp_out``): the model's tensor holds the merged value afterwards
+        return (partial if self.inplace == "stream" else update).copy_(merged)
 
     def _merge(self, stream: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         if self.rule.kind == "chain":
@@ -233,7 +344,7 @@ class MergeSite(nn.Module):
             self.observer(self, stream, update, None)
         if self.skip_update:
             return stream
-        return self.rule.merge(self.merge, stream, update, self.inplace)
+        return self.rule.merge_written(self.merge, stream, update, self.inplace, self.stream_first)
 
     def _position_now(self, run: ChainRun) -> int:
         n = run.calls.get(id(self), 0)
