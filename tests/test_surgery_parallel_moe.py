@@ -69,6 +69,18 @@ class ParInPlace(Par):
         return a
 
 
+class ParInPlaceAlias(Par):
+    """In place, returning another name bound to the tensor the additions write (its value is the merge)."""
+
+    def forward(self, x):
+        a = self.attn(self.n1(x))
+        h = self.n2(x)
+        alias = a
+        a += x
+        a += self.mlp(h)
+        return alias
+
+
 class ParStreamFirst(Par):
     """One expression, stream first: ``x + attn + mlp``."""
 
@@ -114,8 +126,9 @@ def test_parallel_block_is_one_merge_of_the_branches_sum(block):
 
 
 @pytest.mark.parametrize("method", RULES)
-@pytest.mark.parametrize("pair", [(Par, ParOne), (ParInPlace, ParOne), (ParStreamFirst, ParOne),
-                                  (ParThree, ParThreeOne)])
+@pytest.mark.parametrize("pair", [(Par, ParOne), (ParInPlace, ParOne), (ParInPlaceAlias, ParOne), (ParStreamFirst, ParOne),
+                                  (ParThree, ParThreeOne)],
+                         ids=lambda pair: pair[0].__name__)
 def test_parallel_block_is_the_network_of_the_one_expression_form(pair, method):
     """The faithful reading: each rule sees the block's input as the stream and the branches' sum as the
     update, exactly as for ``x + (attn + mlp)``: the two patched models compute the same thing."""

@@ -318,20 +318,20 @@ class MergeSite(nn.Module):
                 "forward the model was patched on")
         block_input, updates = par.stream, par.updates + [update]
         par.clear()
-        if self.rule.kind != "chain" and self.observer is None and not self.skip_update:
-            return self.rule.merge_parallel(self.merge, block_input, updates, partial, self.inplace,
-                                            self.stream_first)
-        total = updates[0]
-        for u in updates[1:]:
-            total = total + u
-        if self.rule.kind == "chain":
+        chain = self.rule.kind == "chain"
+        if chain or self.observer is not None:
+            total = updates[0]
+            for u in updates[1:]:
+                total = total + u
+        if chain:
             merged = self._forward_chain(block_input, total)
         else:
-            self.current_position = self.position
-            self.observer(self, block_input, total, None)
+            if self.observer is not None:
+                self.current_position = self.position
+                self.observer(self, block_input, total, None)
             merged = block_input if self.skip_update else self.rule.merge_parallel(
                 self.merge, block_input, updates, partial, self.inplace, self.stream_first)
-        if self.inplace is None or (self.rule.merges_in_place and not self.skip_update and self.rule.kind != "chain"):
+        if self.inplace is None or (self.rule.merges_in_place and not self.skip_update and not chain):
             return merged
         # an in-place last addition (``x += mlp_out``): the model's tensor holds the merged value afterwards
         return (partial if self.inplace == "stream" else update).copy_(merged)
