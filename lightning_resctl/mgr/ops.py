@@ -29,7 +29,7 @@ def _gates_from_logits(z: Tensor, forget_bias: Optional[Tensor]) -> Tensor:
     if forget_bias is None:
         return torch.sigmoid(z)
     f = forget_bias.to(z.dtype).reshape(1, 1).expand(z.shape[0], 1)
-    return torch.softmax(torch.cat([f, z], dim=-1), dim=-1)[:, 1:]
+    return torch.softmax(torch.cat([f, z], dim=-1), dim=-1)[:, 1:].contiguous()  # beta is saved, masked, reshaped
 
 
 def _rsqrt_mean_sq(x: Tensor, eps: float) -> Tensor:
