@@ -21,27 +21,22 @@ Thread count: the machine's default (``torch.get_num_threads()``) unless ``--thr
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning_resctl  # noqa: E402
-from lightning_resctl.backends import wait_for_compiles  # noqa: E402
-from lightning_resctl.memory import saved_tensor_bytes  # noqa: E402
 from lightning_resctl.testing.models import (  # noqa: E402
     NanoGPT,
     add_step_arguments,
-    gpt_loss,
     wire_hyper_connections,
     wire_merges,
 )
+from step_bench import build_rows, rule_installer, time_interleaved  # noqa: E402
 
 STREAMS = 4
 # the project's variants listed first, in this order: (label, method name, patch options)
@@ -71,20 +66,6 @@ def registry_names() -> list[str] | None:
     return list(rules.keys() if isinstance(rules, dict) else rules)
 
 
-def own_installer(method: str, options: dict, example):
-    def install(model):
-        from lightning_resctl import patch_residuals
-        try:
-            patch_residuals(model, method=method, example_input=example, **options)
-        except (TypeError, ValueError) as err:
-            if "streams" not in options or "streams" not in str(err):
-                raise
-            rest = {k: v for k, v in options.items() if k != "streams"}
-            patch_residuals(model, method=method, example_input=example, **rest)  # a rule without a stream count
-        return model
-    return install
-
-
 def mlbricks_installer():
     try:
         from mlbricks.residualbrick import ResController as MLBricksResController
@@ -111,7 +92,7 @@ def hc_installer(kind: str):
 
 def variants(example) -> list[tuple[str, object, str | None]]:
     """(label, installer or None, note) for every variant after plain."""
-    out = [(label, own_installer(method, opts, example), None) for label, method, opts in OWN]
+    out = [(label, rule_installer(method, opts, example), None) for label, method, opts in OWN]
     inst, note = mlbricks_installer()
     out.insert(3, ("MLBricks ResController (torch path)", inst, note))
     for kind, label in (("hc", "hyper-connections HC n=4"), ("mhc", "hyper-connections mHC n=4")):
@@ -124,7 +105,7 @@ def variants(example) -> list[tuple[str, object, str | None]]:
         for name in names:
             if name in COVERED:
                 continue
-            out.append((f"{name} (lightning_resctl)", own_installer(name, {"streams": STREAMS}, example), None))
+            out.append((f"{name} (lightning_resctl)", rule_installer(name, {"streams": STREAMS}, example), None))
     return out
 
 
@@ -134,63 +115,10 @@ def run(args) -> list[dict]:
     base = NanoGPT(vocab_size=args.vocab, block_size=args.T, n_layer=args.layers, n_head=args.heads,
                    n_embd=args.C).to(device)
     idx = torch.randint(0, args.vocab, (args.batch, args.T), generator=torch.Generator().manual_seed(0)).to(device)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
-                else contextlib.nullcontext())
-    example = idx[:2]
-    rows = [{"label": "plain", "model": copy.deepcopy(base), "note": None}]
     only = [o.strip() for o in args.only.split(",")] if args.only else None
-    for label, install, note in variants(example):
-        if only is not None and label not in only:
-            continue
-        row = {"label": label, "model": None, "note": note}
-        if install is not None:
-            try:
-                row["model"] = install(copy.deepcopy(base))
-            except Exception as err:  # noqa: BLE001 - listed, not skipped
-                row["note"] = f"failed to build: {type(err).__name__}: {str(err).splitlines()[0][:80]}"
-        rows.append(row)
-    live = [r for r in rows if r["model"] is not None]
-    for r in live:
-        r["opt"] = torch.optim.AdamW(r["model"].parameters(), lr=1e-4)
-        r["times"] = []
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def step(r):
-        with autocast:
-            loss = gpt_loss(r["model"], idx)
-        r["opt"].zero_grad(set_to_none=True)
-        loss.backward()
-        r["opt"].step()
-        sync()
-
-    for r in live:  # first step: one-time costs (compiles, lazy kernel loads)
-        t0 = time.perf_counter()
-        try:
-            step(r)
-        except Exception as err:  # noqa: BLE001
-            r["note"] = f"failed in a step: {type(err).__name__}: {str(err).splitlines()[0][:80]}"
-            r["model"] = None
-            continue
-        r["first"] = time.perf_counter() - t0
-    live = [r for r in live if r["model"] is not None]
-    wait_for_compiles()  # the torch paths compile in the background on CPU: time the compiled steady state
-    for _ in range(args.warmup):
-        for r in live:
-            step(r)
-    for rep in range(args.reps):
-        k = rep % len(live)
-        for r in live[k:] + live[:k]:
-            t0 = time.perf_counter()
-            step(r)
-            r["times"].append(time.perf_counter() - t0)
-    for r in live:
-        r["median"] = statistics.median(r["times"])
-        with autocast:
-            r["saved"] = saved_tensor_bytes(gpt_loss, r["model"], idx, exclude=r["model"].parameters())[0]
-    return rows
+    chosen = [v for v in variants(idx[:2]) if only is None or v[0] in only]
+    rows = build_rows(base, chosen)
+    return time_interleaved(rows, idx, reps=args.reps, warmup=args.warmup, dtype=args.dtype)
 
 
 def report(rows: list[dict], args) -> str:

@@ -287,3 +287,47 @@ def test_full_attnres_saves_linear_not_quadratic_memory():
     assert b16 <= 1.25 * (16 + 1) * vec, (b16, vec)
     assert b16 - b8 <= 1.25 * 8 * vec, (b16 - b8, vec)
     assert stacked(16, chain16) > 3 * b16  # what stacking the sources every merge would cost
+
+
+def test_full_attnres_computes_each_source_key_logits_once():
+    """A source's key logits depend only on the source and the (input-independent) queries: they are computed once
+    per source for every later site, so a forward of K merges reduces sources over C O(K) times (a matmul and an
+    rms per source), not once per (source, merge) pair (K(K+3)/2 logits + K+1 rms = 53 for K = 8)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    K, C = 8, 16
+    reductions = []
+
+    class CountReductionsOverC(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[-1] == C]
+            if ins and not func.is_view and isinstance(out, torch.Tensor) and out.shape[-1:] != (C,):
+                reductions.append(func.__name__)
+            return out
+
+    g = torch.Generator().manual_seed(8)
+    rule = _rule()
+    chain = rule.build_chain(C, K).to(D)
+    with torch.no_grad():
+        for p in chain.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=D))
+    x = torch.randn(3, C, generator=g, dtype=D, requires_grad=True)
+    us = [torch.randn(3, C, generator=g, dtype=D) for _ in range(K)]
+    with CountReductionsOverC():
+        _drive(rule, chain, x, us)
+    assert len(reductions) <= 2 * (K + 1), reductions
+
+
+def test_depth_mix_gradients_second_order_forward_ad_and_vmap():
+    """The weighted sum over the sources (one autograd node per merge) against autograd's own derivatives: first and
+    second order, forward-mode AD and batched gradients (vmap)."""
+    from lightning_resctl.rules.attnres import _DepthMixWithJvp as _DepthMix
+
+    g = torch.Generator().manual_seed(9)
+    alpha = torch.softmax(torch.randn(2, 3, generator=g, dtype=D), -1).requires_grad_()
+    sources = [torch.randn(2, 5, generator=g, dtype=D, requires_grad=True) for _ in range(3)]
+    torch.autograd.gradcheck(_DepthMix.apply, (alpha, *sources), check_forward_ad=True, check_batched_grad=True)
+    torch.autograd.gradgradcheck(_DepthMix.apply, (alpha, *sources))
+    torch.testing.assert_close(_DepthMix.apply(alpha, *sources), sum(alpha[:, i:i + 1] * v for i, v in
+                                                                      enumerate(sources)), rtol=1e-12, atol=1e-12)

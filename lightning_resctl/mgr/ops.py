@@ -29,7 +29,7 @@ def _gates_from_logits(z: Tensor, forget_bias: Optional[Tensor]) -> Tensor:
     if forget_bias is None:
         return torch.sigmoid(z)
     f = forget_bias.to(z.dtype).reshape(1, 1).expand(z.shape[0], 1)
-    return torch.softmax(torch.cat([f, z], dim=-1), dim=-1)[:, 1:]
+    return torch.softmax(torch.cat([f, z], dim=-1), dim=-1)[:, 1:].contiguous()  # beta is saved, masked, reshaped
 
 
 def _rsqrt_mean_sq(x: Tensor, eps: float) -> Tensor:
@@ -99,10 +99,11 @@ def _torch_step_backward(streams: Tensor, u: Optional[Tensor], beta: Optional[Te
             p2 = of @ wq
         da = torch.linalg.vecdot(of, dh.unsqueeze(1))  # (batched matvecs via bmm are slow on CPU)
         coef = a * (da - (a * da).sum(-1, keepdim=True)) * r2 * inv
-        left = torch.stack([a, coef], dim=-1)                              # (T, m', 2)
-        right = torch.stack([dh, wq.expand_as(dh)], dim=1)                 # (T, 2, C)
-        base = grad_out.to(cd) if grad_out is not None else torch.zeros_like(of)
-        g = torch.baddbmm(base, left, right)
+        # G = dS' + a dh + coef w - coef (w.s') r'^2 / C s': pointwise (fused when compiled); a baddbmm with an
+        # inner size of 2 is an unfused library call that costs more than the rest of the backward at small C
+        g = torch.addcmul(grad_out.to(cd), a.unsqueeze(-1), dh.unsqueeze(1)) if grad_out is not None else \
+            a.unsqueeze(-1) * dh.unsqueeze(1)
+        g.addcmul_(coef.unsqueeze(-1), wq)
         g.addcmul_((coef * p2 * r2 * r2 / -c).unsqueeze(-1), of)
         d_next = (coef.reshape(1, -1) @ of.reshape(-1, c)).reshape(c).to(next_query.dtype)
     else:

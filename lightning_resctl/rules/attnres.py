@@ -14,9 +14,14 @@ blocks ``b_m = sum_{i=(m-1)S}^{mS-1} u_i``, and the partial block ``P = sum_{i=c
 reads is pooled with site j-1's query.
 
 Training path (:class:`AttnResRule`): the sources are kept as a tuple of the existing tensors (the updates
-themselves, fp32 copies only for half-precision streams) with one cached rms per source; each merge computes
-``z_i = (V_i . qg) * rms_i`` and ``h = sum_i alpha_i V_i`` over them — autograd saves only views of the sources
-and the m weights per token, never an (m, C) stack per merge (that would be O(K^2 C) memory for Full AttnRes).
+themselves, fp32 copies only for half-precision streams). A source's key logits depend only on the source and on
+the (input-independent) queries, so they are computed once, when the source is complete, for every site that will
+read it: ``Z_i = (V_i @ [q_j g_j]_{j >= first_i}^T) * rms_i`` (one matmul per source; site j takes column j).
+Only the partial block (Block AttnRes) changes from merge to merge and gets its one logit per merge. Each merge
+then stacks its m logits, takes the softmax and accumulates ``h = sum_i alpha_i V_i`` over the existing tensors —
+autograd saves only views of the sources, the logits and the m weights per token, never an (m, C) stack per merge
+(that would be O(K^2 C) memory for Full AttnRes). The weighted sum reads every source at every merge: Full
+AttnRes costs O(K^2) passes over (..., C) by construction, its logits O(K) (docs/rules/attnres.md).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..math_context import fp32_matmul
+from ..math_context import autocast_off, fp32_matmul
 from ._common import check_bool, check_eps, compute_dtype, rms_norm
 from .base import ChainRule, check_int
 
@@ -102,11 +107,6 @@ class AttnResMerge(nn.Module):
         if self.key_norm_affine:
             self.key_norm_weight.fill_(1.0)
 
-    def query(self, dtype: torch.dtype) -> Tensor:
-        """``q * g`` in ``dtype``."""
-        q = self.pool_query.to(dtype)
-        return q * self.key_norm_weight.to(dtype) if self.key_norm_affine else q
-
     def extra_repr(self) -> str:
         return f"index={self.index}, dim={self.dim}, key_norm_affine={self.key_norm_affine}"
 
@@ -134,13 +134,19 @@ class AttnResChain(nn.Module):
 
 
 class AttnResState(NamedTuple):
-    """Completed blocks (b_0 = x first) with their cached rms, the partial block (None: empty) and the number of
-    update positions passed (``t`` = position of the last merge that ran + 1)."""
+    """Completed blocks (b_0 = x first) with their key logits, the partial block (None: empty), the number of
+    update positions passed (``t`` = position of the last merge that ran + 1) and every site's query ``q * g``
+    stacked ``(K, C)`` (computed once per forward).
+
+    ``logits[i]``: block i's logits for the sites from the one where it was completed on, as a tuple of
+    ``(..., 1)`` columns (``logits[i][j - first[i]]`` is site j's); ``first[i]`` that site."""
 
     blocks: tuple
-    rms: tuple
+    logits: tuple
+    first: tuple
     partial: Optional[Tensor]
     t: int
+    queries: Tensor
 
     def sources(self) -> list:
         return list(self.blocks) + ([] if self.partial is None else [self.partial])
@@ -150,33 +156,100 @@ def _rms(v: Tensor, eps: float) -> Tensor:
     return torch.rsqrt((v * v).mean(-1, keepdim=True) + eps)
 
 
+def _site_queries(chain: AttnResChain, dtype: torch.dtype) -> Tensor:
+    """Every site's ``q * g`` stacked ``(K, C)`` in ``dtype``."""
+    q = torch.stack([m.pool_query for m in chain.merges]).to(dtype)
+    if chain.merges[0].key_norm_affine:
+        q = q * torch.stack([m.key_norm_weight for m in chain.merges]).to(dtype)
+    return q
+
+
+def _block_logits(chain: AttnResChain, v: Tensor, queries: Tensor, first: int) -> tuple:
+    """Logits of a completed source ``v`` for sites ``first..K-1``: ``(v . w_j) * rms(v)`` as ``(..., 1)``
+    columns (one matmul for all of them)."""
+    z = fp32_matmul(v, queries[first:].mT) * _rms(v, chain.eps)
+    return z.unsqueeze(-1).unbind(-2)
+
+
 def _pool(chain: AttnResChain, j: int, state: AttnResState) -> tuple[Tensor, Tensor]:
     """Pool the state's sources with site j's query, over the existing tensors. Returns ``(h, alpha)`` in the
     compute dtype."""
-    srcs = state.sources()
-    rms = list(state.rms) + ([] if state.partial is None else [_rms(state.partial, chain.eps)])
-    w = chain.merges[j].query(srcs[0].dtype)
-    z = torch.cat([(v * w).sum(-1, keepdim=True) * r for v, r in zip(srcs, rms)], dim=-1)
-    alpha = torch.softmax(z, dim=-1)
-    h = alpha[..., 0:1] * srcs[0]
-    for i in range(1, len(srcs)):
-        h = h + alpha[..., i:i + 1] * srcs[i]
-    return h, alpha
+    z = [cols[j - f] for cols, f in zip(state.logits, state.first)]
+    srcs = state.blocks
+    if state.partial is not None:
+        p = state.partial
+        z.append((p * state.queries[j]).sum(-1, keepdim=True) * _rms(p, chain.eps))
+        srcs = srcs + (p,)
+    alpha = torch.softmax(torch.cat(z, dim=-1), dim=-1)
+    mix = _DepthMix if torch.compiler.is_compiling() else _DepthMixWithJvp  # dynamo does not trace a custom jvp
+    return mix.apply(alpha, *srcs), alpha
+
+
+class _DepthMix(torch.autograd.Function):
+    """``h = sum_i alpha[..., i] V_i`` over the existing source tensors, as one autograd node per merge.
+
+    Saves ``alpha`` and the sources (no copy). Backward ``d_alpha_i = dh . V_i``, ``dV_i = alpha_i dh``: one read
+    of each source and one write of its gradient, where autograd of the unrolled sum would write a temporary
+    per source as well. Differentiable again (its backward is torch ops); vmap works; forward-mode AD: see
+    :class:`_DepthMixWithJvp`."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(alpha, *sources):
+        h = sources[0] * alpha[..., 0:1]
+        for i in range(1, len(sources)):
+            h.addcmul_(sources[i], alpha[..., i:i + 1])
+        return h
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        alpha, *sources = ctx.saved_tensors
+        d_alpha = None
+        with autocast_off(grad.device.type):  # vecdot in the sources' dtype (autocast would run it in bf16)
+            if ctx.needs_input_grad[0]:
+                d_alpha = torch.stack([torch.linalg.vecdot(grad, v) for v in sources], dim=-1)
+        weights = alpha.unsqueeze(-1).unbind(-2)
+        return (d_alpha, *(grad * a if need else None for a, need in zip(weights, ctx.needs_input_grad[1:])))
+
+
+class _DepthMixWithJvp(_DepthMix):
+    """:class:`_DepthMix` with forward-mode AD (eager only: dynamo does not trace a custom ``jvp``)."""
+
+    @staticmethod
+    def jvp(ctx, d_alpha, *d_sources):
+        alpha, *sources = ctx.saved_tensors
+        out = None
+        for i, (v, dv) in enumerate(zip(sources, d_sources)):
+            for a, t in ((alpha[..., i:i + 1], dv), (None if d_alpha is None else d_alpha[..., i:i + 1], v)):
+                if a is not None and t is not None:
+                    out = t * a if out is None else out.addcmul_(t, a)
+        return out
 
 
 def _advance(chain: AttnResChain, k: int, state: AttnResState, u: Optional[Tensor]) -> AttnResState:
     """Merge ``u`` (None: dropped) as merge k: close a partial block left over from an earlier block (merges that
-    did not run in this forward), add u to the partial, close it at a block boundary."""
+    did not run in this forward), add u to the partial, close it at a block boundary. A block closed here is read
+    from site k on: its logits are computed for sites k..K-1."""
     s = chain.block_size
-    blocks, rms, p = state.blocks, state.rms, state.partial
+    blocks, logits, first, p = state.blocks, state.logits, state.first, state.partial
+
+    def close(p):
+        return blocks + (p,), logits + (_block_logits(chain, p, state.queries, k),), first + (k,)
+
     if p is not None and (state.t - 1) // s != k // s:
-        blocks, rms, p = blocks + (p,), rms + (_rms(p, chain.eps),), None
+        (blocks, logits, first), p = close(p), None
     if u is not None:
         p = u if p is None else p + u
     t = k + 1
     if p is not None and t % s == 0:
-        blocks, rms, p = blocks + (p,), rms + (_rms(p, chain.eps),), None
-    return AttnResState(blocks, rms, p, t)
+        (blocks, logits, first), p = close(p), None
+    return AttnResState(blocks, logits, first, p, t, state.queries)
 
 
 # ---------------------------------------------------------------------------------------------- rules
@@ -230,7 +303,8 @@ class AttnResRule(ChainRule):
     # ---- runtime
     def start(self, chain, x):
         v = x.to(compute_dtype(x))
-        return AttnResState((v,), (_rms(v, chain.eps),), None, 0)
+        queries = _site_queries(chain, v.dtype)
+        return AttnResState((v,), (_block_logits(chain, v, queries, 0),), (0,), None, 0, queries)
 
     def _read(self, chain, state, next_k, dtype):
         h, _ = _pool(chain, next_k - 1, state)

@@ -1,0 +1,146 @@
+"""One nanoGPT training step of several variants, timed interleaved: the machinery that ``bench_peers.py`` and
+``bench_scaling.py`` share.
+
+* :func:`rule_installer` — an installer ``model -> model`` that patches a model with one of the project's rules;
+* :func:`build_rows` — one row per variant (``{"label", "model", "note"}``; a variant that fails to build keeps
+  its reason as the note and no model);
+* :func:`time_interleaved` — the step of every built variant, interleaved, then the saved-for-backward bytes.
+
+A step is forward, next-token loss, backward and an AdamW step. Every repetition runs one step of each variant in a
+rotating order (slow phases of a shared machine hit every variant alike); the first step of each variant is timed
+apart (``first``: one-time costs such as the compile of a CPU region) and ``warmup`` more steps are not timed.
+Saved bytes: activations saved for backward by one loss (each storage once, parameters left out).
+
+``share_weights=True`` (``bench_scaling.py``) builds every variant on the *same* parameter tensors of the base model
+(their own rule parameters apart) with one AdamW over all of them: a parameter without a gradient is skipped by
+AdamW, so a variant's step updates the base weights and its own rule parameters, as with an optimizer of its own,
+while the memory holds one copy of the weights and of the optimizer state instead of one per variant (a 48-layer
+C=512 GPT is 0.6 GB of weights, 2.4 GB with gradients and AdamW state). The variants' weights then drift apart
+from a common start only by the steps the others take, which does not change a step's cost.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+
+from lightning_resctl.backends import wait_for_compiles
+
+from lightning_resctl.memory import saved_tensor_bytes
+from lightning_resctl.testing.models import gpt_loss
+
+__all__ = ["rule_installer", "build_rows", "time_interleaved", "ratio", "first_line"]
+
+
+def first_line(err: BaseException, width: int = 80) -> str:
+    """``"Type: first line of the message"`` cut to ``width`` characters (a row's note)."""
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:width]}"
+
+
+def rule_installer(method: str, options: dict, example: torch.Tensor) -> Callable:
+    """An installer that runs ``patch_residuals(model, method=method, example_input=example, **options)``; a
+    ``streams`` option that the rule does not take is dropped (one option set for every rule)."""
+
+    def install(model):
+        from lightning_resctl import patch_residuals
+        try:
+            patch_residuals(model, method=method, example_input=example, **options)
+        except (TypeError, ValueError) as err:
+            if "streams" not in options or "streams" not in str(err):
+                raise
+            rest = {k: v for k, v in options.items() if k != "streams"}
+            patch_residuals(model, method=method, example_input=example, **rest)  # a rule without a stream count
+        return model
+    return install
+
+
+def build_rows(base: torch.nn.Module, variants: list, *, share_weights: bool = False, lr: float = 1e-4) -> list[dict]:
+    """``[plain] + variants`` as rows ``{"label", "model", "note", "opt"}``.
+
+    ``variants``: ``(label, installer or None, note)``; an installer that raises leaves the row without a model
+    and its error as the note. ``share_weights``: see the module docstring (otherwise each variant is a deep copy
+    with its own AdamW)."""
+    memo = {id(p): p for p in base.parameters()} if share_weights else None
+
+    def copy_of_base():
+        return copy.deepcopy(base, memo=dict(memo)) if share_weights else copy.deepcopy(base)
+
+    rows = [{"label": "plain", "model": copy_of_base(), "note": None}]
+    for label, install, note in variants:
+        row = {"label": label, "model": None, "note": note}
+        if install is not None:
+            try:
+                row["model"] = install(copy_of_base())
+            except Exception as err:  # noqa: BLE001 - listed, not skipped
+                row["note"] = f"failed to build: {first_line(err)}"
+        rows.append(row)
+    live = [r for r in rows if r["model"] is not None]
+    if share_weights:
+        params = list({id(p): p for r in live for p in r["model"].parameters()}.values())
+        opt = torch.optim.AdamW(params, lr=lr)
+        for r in live:
+            r["opt"] = opt
+    else:
+        for r in live:
+            r["opt"] = torch.optim.AdamW(r["model"].parameters(), lr=lr)
+    return rows
+
+
+def time_interleaved(rows: list[dict], idx: torch.Tensor, *, reps: int, warmup: int,
+                     dtype: str = "fp32") -> list[dict]:
+    """Time the training step of every row with a model (see the module docstring); adds ``first`` (s),
+    ``times`` (s), ``median`` (s) and ``saved`` (bytes) to each; a variant whose step raises loses its model and
+    keeps the error as its note. Returns ``rows``."""
+    device = idx.device
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext())
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step(r):
+        r["opt"].zero_grad(set_to_none=True)
+        with autocast:
+            loss = gpt_loss(r["model"], idx)
+        loss.backward()
+        r["opt"].step()
+        sync()
+
+    live = [r for r in rows if r["model"] is not None]
+    for r in live:  # first step: one-time costs (compiles, lazy kernel loads)
+        r["times"] = []
+        t0 = time.perf_counter()
+        try:
+            step(r)
+        except Exception as err:  # noqa: BLE001
+            r["note"] = f"failed in a step: {first_line(err)}"
+            r["model"] = None
+            continue
+        r["first"] = time.perf_counter() - t0
+    wait_for_compiles()  # the torch paths compile in the background on CPU: time the compiled steady state
+    live = [r for r in live if r["model"] is not None]
+    for _ in range(warmup):
+        for r in live:
+            step(r)
+    for rep in range(reps):
+        k = rep % len(live)
+        for r in live[k:] + live[:k]:
+            t0 = time.perf_counter()
+            step(r)
+            r["times"].append(time.perf_counter() - t0)
+    for r in live:
+        r["median"] = statistics.median(r["times"])
+        with autocast:
+            r["saved"] = saved_tensor_bytes(gpt_loss, r["model"], idx, exclude=r["model"].parameters())[0]
+    return rows
+
+
+def ratio(row: dict, plain: dict, key: str) -> Optional[float]:
+    """``row[key] / plain[key]``, or None when either was not measured."""
+    if row.get(key) is None or not plain.get(key):
+        return None
+    return row[key] / plain[key]
