@@ -435,6 +435,21 @@ def test_cost_warms_every_shape_up_interleaves_and_flags_a_wide_spread(monkeypat
     assert not res["reliable"]["noisy"] and res["range"]["noisy"] == [1.0, 3.0]
 
 
+def test_cost_times_the_compiled_code_not_the_eager_steps_before_it(monkeypatch):
+    """The rules' CPU regions compile in a background process and run eagerly until ready: the timed rounds
+    start only after every pending compile is in (else the ratio measures the eager fallback)."""
+    from lightning_resctl.compare import cost
+
+    log, clock = [], {"t": 0.0}
+    monkeypatch.setattr(cost.time, "process_time", lambda: clock["t"])
+    monkeypatch.setattr(cost, "apply_method", lambda model, name, options=None: setattr(model, "name", name))
+    monkeypatch.setattr(cost, "wait_for_compiles", lambda *a, **k: log.append(("waited", None)) or True)
+    batches = [(torch.ones(2, 3),)] * 3
+    cost.measure_cost(["slow"], _FakeStep(log, clock, {"plain": 1.0, "slow": 2.0}), batches, warmup=2)
+    assert [name for name, _ in log].index("waited") == 2 * 2  # after the 2 untimed rounds of 2 methods
+    assert [name for name, _ in log].count("waited") == 1
+
+
 def test_summary_says_when_a_cost_ratio_is_unreliable(tmp_path):
     from lightning_resctl.compare.summary import write_summary
 

@@ -8,7 +8,8 @@ one step of every method (the order rotated each round) on the same batch.
 * **Warm-up**: first compiles and recompiles stay out of the timed rounds. The timed rounds use the first
   batches of the training data; the untimed rounds run every method at least ``warmup`` times and once on every
   batch *shape* the timed rounds hold, so each compiled region (CPU inductor regions, Triton kernels, anything
-  specialising on shapes) has compiled for every shape it will see before timing starts.
+  specialising on shapes) has compiled for every shape it will see before timing starts; the timed rounds wait
+  for the compiles the warm-up started in the background (:func:`lightning_resctl.backends.wait_for_compiles`).
 * **Ratio**: a method's cost is the median over rounds of ``its step time / plain's step time in the same
   round``; load that changes slower than one round cancels out.
 * **Spread**: the per-round ratios' interquartile range (and min-max). When the IQR exceeds
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..backends import wait_for_compiles
 from .methods import PLAIN, apply_method
 
 __all__ = ["measure_cost", "MAX_RELATIVE_IQR", "resolve_device", "autocast_for", "first_optimizer"]
@@ -146,6 +148,8 @@ def measure_cost(methods: Sequence[str], reference: torch.nn.Module, batches: Se
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*self.log.*")
         for i, (batch, timed) in enumerate(rounds):
+            if timed and i == len(warm):
+                wait_for_compiles()  # the rules' CPU regions compile in the background: time the compiled code
             order = names[i % len(names):] + names[:i % len(names)]
             for name in order:
                 model, opt = models[name], optimizers[name]
