@@ -67,6 +67,14 @@ class NoOptions:
     """Config of a rule without options."""
 
 
+def branches_sum(updates: list) -> Tensor:
+    """The update of a parallel block's one merge: its branches' outputs added in the order the model adds them."""
+    total = updates[0]
+    for u in updates[1:]:
+        total = total + u
+    return total
+
+
 class MergeRule:
     """A per-merge rule. Subclasses set :attr:`Config` (a dataclass: the options, their defaults and
     their help in one place) and implement :meth:`merge`; they may add :meth:`validate`,
@@ -148,10 +156,7 @@ class MergeRule:
         outputs in the order they are added, ``partial`` what the model's additions before the last one
         computed (``stream + updates[0] + ...``), ``inplace`` and ``stream_first`` the spelling of the last one.
         The default merges the branches' sum: ``merge(module, stream, updates[0] + updates[1] + ..., None)``."""
-        total = updates[0]
-        for u in updates[1:]:
-            total = total + u
-        return self.merge(module, stream, total, None)
+        return self.merge(module, stream, branches_sum(updates), None)
 
     def merge_module(self, site: Any, position: int) -> Optional[nn.Module]:
         """The module that holds merge ``position``'s parameters (diagnostics and reports)."""

@@ -27,6 +27,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..rules.base import branches_sum
+
 __all__ = ["MergeSite", "ChainRun", "ParallelRun", "ParallelPart"]
 
 
@@ -320,9 +322,7 @@ class MergeSite(nn.Module):
         par.clear()
         chain = self.rule.kind == "chain"
         if chain or self.observer is not None:
-            total = updates[0]
-            for u in updates[1:]:
-                total = total + u
+            total = branches_sum(updates)
         if chain:
             merged = self._forward_chain(block_input, total)
         else:
