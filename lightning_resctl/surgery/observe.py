@@ -105,6 +105,9 @@ class AddEvent:
     parallel_stream: Optional[int] = None
     joined_by: Optional[int] = None
     refusal: Optional[str] = None
+    # set by the patch for a merge of a line that runs in one mode only (``else: x = x + f(x)`` beside a
+    # training line ``x = x + checkpoint(f, x)``): the site key of the other mode's merge whose site it calls
+    same_site: Optional[tuple] = None
 
     @property
     def is_merge(self) -> bool:

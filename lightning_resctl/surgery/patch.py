@@ -95,13 +95,11 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
     with preserved(model):
         model.train()
         obs = observe(model, example_input)
-        other = None
-        if rule.kind == "chain":
-            model.eval()
-            other = observe(model, example_input)
-    plan = _plan(model, obs, rule, include, exclude)
+        model.eval()
+        other = observe(model, example_input)
+    plan = _plan(model, obs, rule, include, exclude, other)
     if not rule.supports_checkpointing:
-        for ev in plan.merges:
+        for ev in plan.merges + plan.aliases:
             if ev.checkpointed:
                 raise ValueError(
                     f"method={rule.name!r} cannot patch merges that run inside torch.utils.checkpoint (the merge at "
@@ -231,10 +229,14 @@ class _Plan:
     methods: dict               # id(owner) -> (owner, spec, {site key: attr})
     rewritten: dict             # id(owner) -> patched subclass
     paths: dict
+    aliases: list = field(default_factory=list)  # merges of eval-only lines calling a training merge's site
 
 
 def _site_key(ev: AddEvent) -> tuple:
-    """One MergeSite per (module, method, call sites leading to the addition, addition's position)."""
+    """One MergeSite per (module, method, call sites leading to the addition, addition's position); a line
+    that runs in one mode only calls the site of the same merge in the other mode (``ev.same_site``)."""
+    if ev.same_site is not None:
+        return ev.same_site
     return (id(ev.owner), ev.method_name, tuple(p for _, p in ev.calls), ev.position)
 
 
@@ -301,7 +303,11 @@ def _source_line(ev: AddEvent) -> str:
     return " ".join(b.decode(errors="replace").strip() for b in lines if b.strip())
 
 
-def _plan(model: nn.Module, obs: Observation, rule, include, exclude) -> _Plan:
+def _plan(model: nn.Module, obs: Observation, rule, include, exclude,
+          other: Optional[Observation] = None) -> _Plan:
+    """What to patch: the merges of the training-mode observation ``obs``, and the merges of lines that ran
+    only in the eval-mode observation ``other`` (each calls the site of the training-mode merge of the same
+    branch; see :func:`_match_other_mode`)."""
     paths = obs.module_paths
     skip_reasons: dict = {}   # event index -> reason
 
@@ -310,6 +316,81 @@ def _plan(model: nn.Module, obs: Observation, rule, include, exclude) -> _Plan:
             return f"<function {ev.function_name}>"
         return paths[id(ev.owner)]
 
+    candidates = _candidates(obs, include, exclude, skip_reasons, path_of)
+    other_only: list = []   # the events of lines that ran in the other mode only
+    extras: list = []       # those that are merges to patch
+    if other is not None:
+        _renumber(other, len(obs.events))  # one index space: skip reasons and rewrite failures are keyed by it
+        seen = {_line_key(ev) for ev in obs.events}
+        other_only = [ev for ev in other.events if _line_key(ev) not in seen]
+        only = {ev.index for ev in other_only}
+        extras = [ev for ev in _candidates(other, include, exclude, skip_reasons, path_of) if ev.index in only]
+    unmatched = _match_other_mode(extras, candidates, rule, path_of)
+
+    # rewrite feasibility, per owner instance; a parallel block is patched whole or not at all; the line of
+    # one mode is patched with the line of the other mode it shares a site with, or not at all
+    def prepare(primary, extras):
+        while True:
+            both, methods, rewritten = _prepare_whole_blocks(primary + extras, obs.events, skip_reasons)
+            kept = {ev.index for ev in both}
+            primary = [ev for ev in primary if ev.index in kept]
+            keys = {_site_key(ev) for ev in primary}
+            orphans = {ev.index for ev in extras if ev.index in kept and ev.same_site is not None
+                       and ev.same_site not in keys}
+            for i in orphans:  # its other-mode line is not patched: neither is this one
+                skip_reasons[i] = "the merge of the same branch in the other mode is not patched"
+            extras = [ev for ev in extras if ev.index in kept - orphans]
+            if not orphans:
+                return primary, extras, methods, rewritten
+
+    candidates, extras, methods, rewritten = prepare(candidates, extras)
+
+    # chains (and, for MGR, one chain per site)
+    while True:
+        chains = _build_chains([ev for ev in candidates if not ev.is_partial], obs.nodes)
+        if rule.kind != "chain":
+            break
+        chain_of = {}
+        for ci, chain in enumerate(chains):
+            for ev in chain:
+                chain_of.setdefault(_site_key(ev), set()).add(ci)
+        bad = {key for key, cs in chain_of.items() if len(cs) > 1}
+        if not bad:
+            break
+        for ev in candidates + extras:
+            if _site_key(ev) in bad:
+                skip_reasons[ev.index] = (f"one expression runs merges of several chains (shared module): "
+                                          f"method={rule.name!r} carries one chain's state per site")
+        candidates = [ev for ev in candidates if _site_key(ev) not in bad]
+        extras = [ev for ev in extras if _site_key(ev) not in bad]
+        candidates, extras, methods, rewritten = prepare(candidates, extras)
+
+    _check_both_lines(other_only, candidates, skip_reasons, path_of)
+    # a per-merge rule's merge that ran in the other mode only, with a branch of its own: a site of its own
+    own = [ev for ev in extras if ev.index in unmatched]
+    chains += _build_chains(own, other.nodes) if own else []
+    groups: dict = {}
+    for ev in candidates + own:
+        groups.setdefault(_site_key(ev), []).append(ev)
+
+    skipped: dict = {}
+    for ev in obs.events + other_only:
+        reason = skip_reasons.get(ev.index)
+        if reason is None:
+            continue
+        p = path_of(ev)
+        key = (p, ev.location, reason)
+        if key in skipped:
+            skipped[key].count += 1
+        else:
+            skipped[key] = SkippedInfo(p, ev.location, _source_line(ev), reason)
+    return _Plan(candidates + own, chains, groups, list(skipped.values()), methods, rewritten, paths,
+                 [ev for ev in extras if ev.index not in unmatched])
+
+
+def _candidates(obs: Observation, include, exclude, skip_reasons: dict, path_of) -> list:
+    """The merges of ``obs`` that may be patched, in execution order; the others get their reason in
+    ``skip_reasons``."""
     candidates = []
     for ev in obs.events:
         if not ev.is_merge:
@@ -320,7 +401,7 @@ def _plan(model: nn.Module, obs: Observation, rule, include, exclude) -> _Plan:
                                       "from a method of a module of the model (e.g. from a hook, or through "
                                       f"more than a few function calls): cannot rewrite it")
             continue
-        if id(ev.owner) not in paths:
+        if id(ev.owner) not in obs.module_paths:
             skip_reasons[ev.index] = "the addition runs in a module outside the model"
             continue
         if isinstance(ev.owner, _CONTAINERS):
@@ -344,7 +425,7 @@ def _plan(model: nn.Module, obs: Observation, rule, include, exclude) -> _Plan:
             skip_reasons[ev.index] = "matched by exclude"
             continue
         if ev.refusal:
-            prev = obs.events[ev.parallel_of]
+            prev = obs.events[ev.parallel_of - obs.events[0].index]
             raise ValueError(
                 f"cannot patch the addition at {ev.location} ({_source_line(ev)!r}, in {p!r}): it adds a branch of "
                 f"the input of the merge at {prev.location} ({_source_line(prev)!r}) to that merge's result, like "
@@ -368,46 +449,107 @@ def _plan(model: nn.Module, obs: Observation, rule, include, exclude) -> _Plan:
                                       "(or swaps stream and update, or ends a parallel block in some only)")
         else:
             ok.append(ev)
-    candidates = ok
+    return ok
 
-    # rewrite feasibility, per owner instance; a parallel block is patched whole or not at all
-    candidates, methods, rewritten = _prepare_whole_blocks(candidates, obs.events, skip_reasons)
 
-    # chains (and, for MGR, one chain per site)
-    while True:
-        chains = _build_chains([ev for ev in candidates if not ev.is_partial], obs.nodes)
-        if rule.kind != "chain":
-            break
-        chain_of = {}
-        for ci, chain in enumerate(chains):
-            for ev in chain:
-                chain_of.setdefault(_site_key(ev), set()).add(ci)
-        bad = {key for key, cs in chain_of.items() if len(cs) > 1}
-        if not bad:
-            break
-        for ev in candidates:
-            if _site_key(ev) in bad:
-                skip_reasons[ev.index] = (f"one expression runs merges of several chains (shared module): "
-                                          f"method={rule.name!r} carries one chain's state per site")
-        candidates = [ev for ev in candidates if _site_key(ev) not in bad]
-        candidates, methods, rewritten = _prepare_whole_blocks(candidates, obs.events, skip_reasons)
-
-    groups: dict = {}
-    for ev in candidates:
-        groups.setdefault(_site_key(ev), []).append(ev)
-
-    skipped: dict = {}
+def _renumber(obs: Observation, offset: int) -> None:
+    """Shift the event indices of ``obs`` (and its events' references to each other) by ``offset``."""
     for ev in obs.events:
-        reason = skip_reasons.get(ev.index)
-        if reason is None:
+        ev.index += offset
+        for name in ("parallel_of", "joined_by"):
+            if getattr(ev, name) is not None:
+                setattr(ev, name, getattr(ev, name) + offset)
+
+
+def _mode_line(ev: AddEvent, path_of) -> str:
+    return f"the merge at {ev.location} ({_source_line(ev)!r}, in {path_of(ev)!r})"
+
+
+def _match_other_mode(extras: list, primary: list, rule, path_of) -> list:
+    """Give each merge of a line that ran only in eval mode (``extras``) the site of the training-mode merge
+    of the same module whose branch ran the same learned modules (``else: x = x + f(x)`` beside
+    ``x = x + checkpoint(f, x)``): it sets ``ev.same_site``, so both lines call one site, which is that merge in
+    either mode (a chain rule's position, a per-merge rule's parameters). Returns the extras without such a
+    merge, by index (a per-merge rule gives them sites of their own).
+
+    Raises ValueError for what would give another network than the one written: a chain rule's eval-only
+    merge without a training merge of its branch (the chain has no position for it), one line matching
+    the merges of several training lines, a merge written differently in the two modes (``x = x + f(x)`` /
+    ``x += f(x)``), or a parallel block written as several additions in one mode only."""
+    free = [ev for ev in primary if not ev.is_partial and ev.parallel_of is None]
+    taken: set = set()
+    target: dict = {}   # site key of an eval-only line -> site key of the training line it calls
+    first: dict = {}    # site key of an eval-only line -> the training merge it first matched
+    unmatched = []
+    for ev in extras:
+        if ev.is_partial or ev.parallel_of is not None:
+            raise ValueError(
+                f"{_mode_line(ev, path_of)} is part of a parallel block written as several additions that runs "
+                "only in eval mode: such a block is patched only when it runs in training mode; exclude the "
+                f"module (exclude=[{path_of(ev)!r}]) or write the block the same way in both modes")
+        match = next((a for a in free if id(a) not in taken and _same_branch(a, ev)), None)
+        key = _site_key(ev)
+        if match is None:
+            unmatched.append(ev)
             continue
-        p = path_of(ev)
-        key = (p, ev.location, reason)
-        if key in skipped:
-            skipped[key].count += 1
-        else:
-            skipped[key] = SkippedInfo(p, ev.location, _source_line(ev), reason)
-    return _Plan(candidates, chains, groups, list(skipped.values()), methods, rewritten, paths)
+        taken.add(id(match))
+        if target.setdefault(key, _site_key(match)) != _site_key(match):
+            raise ValueError(
+                f"{_mode_line(ev, path_of)} runs only in eval mode and merges the branches of several training-mode "
+                f"lines ({first[key].location} and {match.location}): one line calls one merge site; write the "
+                "eval line as the training lines are written")
+        first.setdefault(key, match)
+        if (ev.inplace, ev.stream_operand) != (match.inplace, match.stream_operand):
+            raise ValueError(
+                f"{_mode_line(ev, path_of)} runs only in eval mode where {_mode_line(match, path_of)} runs in "
+                "training mode, on the same branch, but the two are written differently (in place or not, or with "
+                "the operands swapped): both lines call one merge site, which reproduces one way of writing it; "
+                "write the two lines the same way")
+    lone = {ev.index for ev in unmatched}
+    for ev in unmatched:
+        if _site_key(ev) in target:
+            raise ValueError(
+                f"{_mode_line(ev, path_of)} runs only in eval mode; some of its runs merge the branch of the "
+                f"training-mode line at {first[_site_key(ev)].location}, others a branch no training-mode merge "
+                "ran: one line calls one merge site")
+        if rule.kind == "chain":
+            raise ValueError(
+                f"{_mode_line(ev, path_of)} runs only in eval mode, and no merge of the training-mode forward ran "
+                f"the same branch: method={rule.name!r} carries a chain's state across the merges observed in "
+                "training, and has no position (no parameters) for a merge added in eval. Run the merge in both "
+                "modes, exclude its module, or use a per-merge rule (e.g. method='rescontroller')")
+    for ev in extras:
+        if ev.index not in lone:
+            ev.same_site = target[_site_key(ev)]
+    return lone
+
+
+def _check_both_lines(other_only: list, patched: list, skip_reasons: dict, path_of) -> None:
+    """A merge of an eval-only line that is not patched while a training-mode merge of the same branch is:
+    raise (the patched network in training, the original one in eval)."""
+    for ev in other_only:
+        if not ev.is_merge or ev.index not in skip_reasons or ev.owner is None:
+            continue
+        twin = next((a for a in patched if _same_branch(a, ev)), None)
+        if twin is not None:
+            raise ValueError(
+                f"{_mode_line(ev, path_of)} runs only in eval mode where {_mode_line(twin, path_of)} runs in "
+                f"training mode, on the same branch, but it cannot be patched: {skip_reasons[ev.index]}. Leaving it "
+                "raw would run another network in eval than in training; exclude the module "
+                f"(exclude=[{path_of(ev)!r}]) or make the line rewritable")
+
+
+def _same_branch(a: AddEvent, b: AddEvent) -> bool:
+    """Merges of one module whose branches ran the same learned modules (the same merge, written on two
+    lines, e.g. one per mode)."""
+    return a.owner is b.owner and frozenset(a.branch_learned) == frozenset(b.branch_learned)
+
+
+def _line_key(ev: AddEvent) -> tuple:
+    """What identifies an addition's line across two observations."""
+    if ev.owner is not None and ev.position is not None:
+        return _site_key(ev)
+    return (ev.filename, ev.lineno, ev.position)
 
 
 def _parallel_block(ev: AddEvent, events: list) -> list:
@@ -750,7 +892,8 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
         runs = {}
         for ci, chain in enumerate(plan.chains):
             expected = {"train": range(len(chain)), "eval": eval_positions.get(ci, ())}
-            run = ChainRun(ci, len(chain), expected)
+            run = ChainRun(ci, len(chain), expected,
+                           tuple(f"{plan.paths[id(ev.owner)] or 'root'}: {ev.location}" for ev in chain))
             runs[ci] = run
             state.hooks.append(owners[ci].register_forward_pre_hook(ChainStart(run)))
             state.hooks.append(owners[ci].register_forward_hook(ChainEnd(run), always_call=True))

@@ -35,16 +35,20 @@ __all__ = ["MergeSite", "ChainRun", "ParallelRun", "ParallelPart"]
 class ChainRun:
     """Per-forward state of one chain, shared by the chain's sites (a plain object, not a Module).
 
-    ``expected``: ``{"train": positions, "eval": positions}`` — the merges observed to run in each mode."""
+    ``expected``: ``{"train": positions, "eval": positions}`` — the merges observed to run in each mode (a
+    mode without an entry expects the training ones); ``sites``: per position, where its merge is
+    ("module path: file:line", for error messages)."""
 
-    def __init__(self, index: int, num_merges: int, expected: dict) -> None:
+    def __init__(self, index: int, num_merges: int, expected: dict, sites: tuple = ()) -> None:
         self.index = index
         self.num_merges = num_merges
         self.expected = {mode: tuple(sorted(p)) for mode, p in expected.items()}
+        self.sites = tuple(sites)
         self._next = {}
         for mode in ("train", "eval"):
-            seq = self.expected.get(mode) or self.expected.get("train", ())
+            seq = self.expected.get(mode, self.expected.get("train", ()))
             self._next[mode] = {k: (seq[i + 1] if i + 1 < len(seq) else num_merges) for i, k in enumerate(seq)}
+            self._next[mode][-1] = seq[0] if seq else num_merges   # before any merge: the first one expected
         self.reset()
 
     def reset(self) -> None:
@@ -64,14 +68,39 @@ class ChainRun:
                 "forward of one mode")
         return nxt
 
+    def check_order(self, k: int, training: bool, where: str) -> None:
+        """Raise unless merge ``k`` (at ``where``) is the merge expected next in this forward of this mode:
+        never twice, never out of order, none of the expected ones skipped."""
+        mode = "training" if training else "eval"
+        if self.done or k <= self.last:
+            raise RuntimeError(
+                f"merge {k} of residual chain {self.index} (site {where}) ran after merge {self.last}"
+                f"{' and the chain output' if self.done else ''} in the same forward: a stream-carrying rule needs "
+                "each merge once per forward, in order")
+        nxt = self._next["train" if training else "eval"]
+        if k not in nxt:
+            self.next_after(k, training)  # raises: not observed in this mode
+        want = nxt[self.last]
+        if k != want:
+            raise RuntimeError(
+                f"merge {k} of residual chain {self.index} (site {where}) ran where merge {want} "
+                f"({self.site(want)}) was expected next in {mode} mode: the merges between did not run in this "
+                "forward. A stream-carrying rule needs the same merges in every forward of one mode (a "
+                "data-dependent skip is not supported); use a per-merge rule (e.g. method='rescontroller') for "
+                "this model")
+
+    def site(self, k: int) -> str:
+        """Where merge ``k`` is (``"module path: file:line"``), for messages."""
+        return self.sites[k] if 0 <= k < len(self.sites) else f"position {k}"
+
     def __deepcopy__(self, memo):
-        return ChainRun(self.index, self.num_merges, self.expected)
+        return ChainRun(self.index, self.num_merges, self.expected, self.sites)
 
     def __getstate__(self):
-        return {"index": self.index, "num_merges": self.num_merges, "expected": self.expected}
+        return {"index": self.index, "num_merges": self.num_merges, "expected": self.expected, "sites": self.sites}
 
     def __setstate__(self, state):
-        self.__init__(state["index"], state["num_merges"], state["expected"])
+        self.__init__(state["index"], state["num_merges"], state["expected"], state.get("sites", ()))
 
 
 class ChainStart:
@@ -85,7 +114,8 @@ class ChainStart:
 
 
 class ChainEnd:
-    """Forward hook (``always_call``) of a chain's owner: the run must have produced the chain's output."""
+    """Forward hook (``always_call``) of a chain's owner: the run must have produced the chain's output, or
+    run no merge in a mode where none was observed."""
 
     def __init__(self, run: ChainRun) -> None:
         self.run = run
@@ -93,9 +123,20 @@ class ChainEnd:
     def __call__(self, module, args, output):
         run = self.run
         unfinished = run.last >= 0 and not run.done
+        mode = "train" if module.training else "eval"
+        expected = run.expected.get(mode, run.expected.get("train", ()))
+        none = run.last < 0 and len(expected) > 0
         where = run.last_site
         last = run.last
         run.reset()
+        if none and output is not None:
+            raise RuntimeError(
+                f"residual chain {run.index} ran none of its {len(expected)} merges observed in "
+                f"{'training' if module.training else 'eval'} mode (the first: {run.site(expected[0])}) in this "
+                f"forward of {type(module).__name__}: the chain's output was never produced, and the model's "
+                "additions did not go through the rule. A stream-carrying rule needs the same merges in every "
+                "forward of one mode (a data-dependent skip, or code that bypasses the patched lines, is not "
+                "supported); use a per-merge rule (e.g. method='rescontroller') for this model")
         if unfinished and output is not None:
             raise RuntimeError(
                 f"residual chain {run.index} stopped after merge {last} (site {where}) of {run.num_merges}: the "
@@ -348,7 +389,7 @@ class MergeSite(nn.Module):
 
     def _position_now(self, run: ChainRun) -> int:
         n = run.calls.get(id(self), 0)
-        positions = self.mode_positions.get("train" if self.training else "eval") or self.positions
+        positions = self.mode_positions.get("train" if self.training else "eval", self.positions)
         if n >= len(positions):
             raise RuntimeError(
                 f"the merge at {self.location} ({self.path or 'root'}: {self.source_line!r}) ran {n + 1} times in one "
@@ -368,11 +409,7 @@ class MergeSite(nn.Module):
                 f"checkpointing recomputing its block): method={self.method!r} carries state beside the model and "
                 "cannot be recomputed; checkpoint outside the residual chain or use a per-merge rule")
         k = self._position_now(run)
-        if run.done or k <= run.last:
-            raise RuntimeError(
-                f"merge {k} of residual chain {self.chain} (site {self.location}: {self.source_line!r}) ran after "
-                f"merge {run.last}{' and the chain output' if run.done else ''} in the same forward: a stream-carrying "
-                "rule needs each merge once per forward, in order")
+        run.check_order(k, self.training, f"{self.location}: {self.source_line!r}")
         d = self.dim
         moved = d != -1 and d != stream.dim() - 1
         s = stream.movedim(d, -1) if moved else stream
