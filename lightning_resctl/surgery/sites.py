@@ -16,8 +16,9 @@ Chain bookkeeping (why a forward can never continue another forward's chain):
 * merges that do not run in the current mode (``if self.training: x = x + f(x)``) were seen when the patch
   observed the model in that mode: the previous merge then reads for the next merge that does run, and the
   skipped one leaves the state as it is; the output is produced by the last merge that runs;
-* anything else (a merge that runs twice, out of order, or a chain that stops early) raises a RuntimeError
-  naming the site at that forward — never a silently different network.
+* anything else (a merge that runs twice, out of order, after an expected one was skipped, a chain that stops
+  early, or a forward of the owner that runs none of the merges observed in its mode) raises a RuntimeError
+  naming the chain and the site at that forward — never a silently different network.
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ class ChainRun:
         nxt = self._next["train" if training else "eval"]
         if k not in nxt:
             self.next_after(k, training)  # raises: not observed in this mode
-        want = nxt[self.last]
+        want = nxt.get(self.last, k)
         if k != want:
             raise RuntimeError(
                 f"merge {k} of residual chain {self.index} (site {where}) ran where merge {want} "
