@@ -246,3 +246,20 @@ def test_an_eval_line_that_cannot_be_rewritten_is_refused_beside_its_patched_tra
     with pytest.raises(ValueError, match=r"runs only in eval mode where the merge at .*'return x \+ self\.f\(x\)'.*"
                                          r"cannot be patched: cannot rewrite the function residual"):
         patch_residuals(EvalLineWithoutSource(), method=method, example_input=(_x(),))
+
+
+@pytest.mark.parametrize("method", ["mgr", "hc"])
+def test_chain_rule_raises_when_a_fast_path_bypasses_the_patched_lines(method):
+    """``nn.TransformerEncoderLayer`` in eval under ``no_grad`` runs a fused kernel instead of its Python
+    forward: none of the patched merges run. A chain rule raises instead of returning the unpatched network."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=True)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x = torch.randn(2, 5, 16)
+    patch_residuals(enc, method=method, example_input=x)
+    enc.eval()
+    out = enc(x)  # with autograd the Python forward runs: the patched merges
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"residual chain 0 ran none of its 4 merges observed in "
+                                                           r"eval mode \(the first: layers\.0"):
+        enc(x)
+    torch.testing.assert_close(enc(x), out)  # the next forward is whole again
