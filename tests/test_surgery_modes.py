@@ -263,3 +263,44 @@ def test_chain_rule_raises_when_a_fast_path_bypasses_the_patched_lines(method):
                                                            r"eval mode \(the first: layers\.0"):
         enc(x)
     torch.testing.assert_close(enc(x), out)  # the next forward is whole again
+
+
+class LoopNet(nn.Module):
+    """The two lines in the model's own loop over blocks (one expression per mode runs every merge), with
+    dropout in the branches (a no-op in eval, so the branches' ops differ between the modes)."""
+
+    def __init__(self, two: bool):
+        super().__init__()
+        self.two = two
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(C), nn.Linear(C, C), nn.Dropout(0.1))
+                                    for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            if self.two and self.training:
+                x = x + _through(b, x)
+            else:
+                x = x + b(x)
+        return x
+
+
+@pytest.mark.parametrize("method", RULES)
+def test_lines_of_either_mode_in_a_loop_over_blocks(method):
+    x = _x(1)
+    torch.manual_seed(0)
+    model = LoopNet(True)
+    report = patch_residuals(model, method=method, example_input=(_x(),))
+    torch.manual_seed(0)
+    ref = LoopNet(False)
+    patch_residuals(ref, method=method, example_input=(_x(),))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name in report.new_parameters:
+            p = model.get_parameter(name)
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    ref.load_state_dict(model.state_dict())
+    model.eval()
+    ref.eval()
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-6)
+    (site,) = merge_sites(model)
+    assert site.positions == (0, 1, 2)
