@@ -81,10 +81,17 @@ def _pair(lines: str, method: str, patch_training: bool):
     ref.load_state_dict(model.state_dict())
     for m in (model, ref):
         m.train(patch_training)
-        patch_residuals(m, method=method, example_input=(_x(),))
+    return _patched_alike(model, ref, method)
+
+
+def _patched_alike(model, ref, method: str):
+    """``model`` and ``ref`` patched with ``method``, the rule's parameters of ``model`` moved off their init
+    and every weight of ``model`` loaded into ``ref``."""
+    report = patch_residuals(model, method=method, example_input=(_x(),))
+    patch_residuals(ref, method=method, example_input=(_x(),))
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for name in get_patch_report(model).new_parameters:
+        for name in report.new_parameters:
             p = model.get_parameter(name)
             p.add_(torch.randn(p.shape, generator=g) * 0.3)
     ref.load_state_dict(model.state_dict())
@@ -161,18 +168,9 @@ class EvalExtra(nn.Module):
 @pytest.mark.parametrize("method", PER_MERGE_RULES)
 def test_per_merge_rule_patches_an_eval_only_merge(method):
     torch.manual_seed(0)
-    model = EvalExtra()
-    report = patch_residuals(model, method=method, example_input=(_x(),))
-    assert [s.source_line for s in report.sites] == ["x = x + self.a(x)", "return x + self.b(x)",
-                                                     "x = x + self.g(x)"]
-    ref = EvalExtra(always=True)
-    patch_residuals(ref, method=method, example_input=(_x(),))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name in report.new_parameters:
-            p = model.get_parameter(name)
-            p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    ref.load_state_dict(model.state_dict())
+    model, ref = _patched_alike(EvalExtra(), EvalExtra(always=True), method)
+    assert [s.source_line for s in get_patch_report(model).sites] == [
+        "x = x + self.a(x)", "return x + self.b(x)", "x = x + self.g(x)"]
     model.eval()
     ref.eval()
     x = _x(1)
@@ -288,17 +286,7 @@ class LoopNet(nn.Module):
 def test_lines_of_either_mode_in_a_loop_over_blocks(method):
     x = _x(1)
     torch.manual_seed(0)
-    model = LoopNet(True)
-    report = patch_residuals(model, method=method, example_input=(_x(),))
-    torch.manual_seed(0)
-    ref = LoopNet(False)
-    patch_residuals(ref, method=method, example_input=(_x(),))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name in report.new_parameters:
-            p = model.get_parameter(name)
-            p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    ref.load_state_dict(model.state_dict())
+    model, ref = _patched_alike(LoopNet(True), LoopNet(False), method)
     model.eval()
     ref.eval()
     torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-6)
