@@ -187,3 +187,40 @@ def test_the_background_compile_generates_the_parents_multithreaded_code(tmp_pat
     counts = dict(line.split() for line in proc.stdout.splitlines() if line.startswith(("KERNELS", "PARALLEL")))
     assert int(counts["KERNELS"]) >= 1, proc.stdout
     assert int(counts["PARALLEL"]) >= 1, f"the background compile wrote single-threaded kernels: {proc.stdout}"
+
+
+@needs_compiler
+@pytest.mark.parametrize("method", ["mgr-competitive", "rescontroller"])
+def test_after_the_wait_the_default_backend_runs_every_merge_compiled(method):
+    """The default backend's steady state is the compiled one: once ``wait_for_compiles()`` returned, training
+    steps call no region eagerly, and the regions hold the graphs ``backend="torch-compiled"`` compiles."""
+    from lightning_resctl import patch_residuals
+    from lightning_resctl.backends import region_calls
+    from lightning_resctl.testing.models import NanoGPT, gpt_loss
+
+    def steps(model, n):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for _ in range(n):
+            gpt_loss(model, idx).backward()
+            opt.step()
+            opt.zero_grad()
+
+    idx = torch.randint(0, 64, (2, 16))
+    torch.manual_seed(0)
+    default = NanoGPT(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    patch_residuals(default, method=method)
+    steps(default, 2)
+    assert wait_for_compiles(timeout=600)
+    steps(default, 1)  # loads what the background compiled
+    before = region_calls()
+    steps(default, 2)
+    after = region_calls()
+    eager = {name: after[name][2] - before[name][2] for name in after}
+    ran = {name: after[name][1] - before[name][1] for name in after}
+    assert sum(ran.values()) > 0 and all(e == 0 for e in eager.values()), (ran, eager)
+
+    # the regions are shared by the process: "torch-compiled" finds every graph it needs compiled already
+    compiled = NanoGPT(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    patch_residuals(compiled, method=method, backend="torch-compiled")
+    steps(compiled, 1)
+    assert {name: g for name, (g, _, _) in region_calls().items()} == {name: g for name, (g, _, _) in after.items()}
