@@ -91,10 +91,10 @@ def build_rows(base: torch.nn.Module, variants: list, *, share_weights: bool = F
 
 
 def time_interleaved(rows: list[dict], idx: torch.Tensor, *, reps: int, warmup: int,
-                     dtype: str = "fp32") -> list[dict]:
+                     dtype: str = "fp32", before_timing: Optional[Callable] = None) -> list[dict]:
     """Time the training step of every row with a model (see the module docstring); adds ``first`` (s),
     ``times`` (s), ``median`` (s) and ``saved`` (bytes) to each; a variant whose step raises loses its model and
-    keeps the error as its note. Returns ``rows``."""
+    keeps the error as its note; ``before_timing()`` is called after the warm-up steps. Returns ``rows``."""
     device = idx.device
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext())
 
@@ -126,6 +126,8 @@ def time_interleaved(rows: list[dict], idx: torch.Tensor, *, reps: int, warmup: 
     for _ in range(warmup):
         for r in live:
             step(r)
+    if before_timing is not None:
+        before_timing()
     for rep in range(reps):
         k = rep % len(live)
         for r in live[k:] + live[:k]:

@@ -7,8 +7,10 @@ compiling thread would hold the GIL against the training loop. The child shares 
 directory with the parent; it runs at a lower CPU priority, one compile at a time.
 
 Protocol (pickle over the child's stdin / stdout; the child starts with the parent's ``sys.path``): jobs
-``(job_id, job)`` with ``job`` = ``{module, qualname, template, ambient, default_dtype, path}`` (``template``: the
-call's arguments with each tensor replaced by a :class:`TensorSpec`); the child answers ``(job_id, result)`` with
+``(job_id, job)`` with ``job`` = ``{module, qualname, template, ambient, default_dtype, num_threads, path}``
+(``template``: the call's arguments with each tensor replaced by a :class:`TensorSpec`; ``num_threads``: the
+parent's ``torch.get_num_threads()``, which inductor's CPU code generation writes into the kernels, so the child
+compiles with it although it runs its own few ops single-threaded); the child answers ``(job_id, result)`` with
 ``{path, guard, spec}`` (a saved ``torch._inductor.CompiledArtifact``, the trace's size guard as text, the output
 spec of :func:`~lightning_resctl.backends.trace_region` with its tree as JSON) or ``{error}``. Its stderr goes to ``worker.log`` in the job directory.
 """
@@ -113,6 +115,7 @@ class BackgroundCompiler:
             job_id = next(self._ids)
             job = {"module": fn.__module__, "qualname": fn.__qualname__, "template": _template(args),
                    "ambient": ambient, "default_dtype": torch.get_default_dtype(),
+                   "num_threads": torch.get_num_threads(),
                    "path": os.path.join(self.dir, f"{job_id}.bin")}
             self._jobs[job_id] = future
             try:
@@ -207,10 +210,14 @@ def _compile(job: dict) -> dict:
         for d, (on, dtype) in zip(_COMPILED_DEVICES, job["ambient"]):
             torch.set_autocast_enabled(d, on)
             torch.set_autocast_dtype(d, dtype)
+        # the kernels are written for the thread count the parent runs them with (a child at 1 thread wrote
+        # single-threaded kernels, which the parent then ran at every step)
+        torch.set_num_threads(job["num_threads"])
         with COMPILE_LOCK:
             graph, examples, guard, spec = trace_region(fn, args, tensors)
             artifact = torch._inductor.standalone_compile(graph, examples)
     finally:
+        torch.set_num_threads(1)
         for d, (on, dtype) in zip(_COMPILED_DEVICES, saved):
             torch.set_autocast_enabled(d, on)
             torch.set_autocast_dtype(d, dtype)

@@ -36,7 +36,7 @@ from ._triton import interpreter_mode, kernel_module, triton_available
 
 __all__ = ["BACKENDS", "ALIASES", "check_backend", "load_kernels", "triton_runs_on_device", "cpu_compile_available",
            "torch_mode", "CompiledMath", "CompiledRegion", "COMPILE_ENV", "COMPILE_LOCK", "refuse_second_derivative",
-           "trace_region", "wait_for_compiles", "opaque_under_compile", "op_outputs"]
+           "trace_region", "wait_for_compiles", "region_calls", "opaque_under_compile", "op_outputs"]
 
 #: Backend names every merge rule accepts.
 BACKENDS = ("auto", "torch", "triton", "native", "torch-eager", "torch-compiled")
@@ -357,16 +357,20 @@ class CompiledRegion:
       signatures still compile). A genuine error of the inputs is then raised by the eager call.
 
     ``failed`` maps each failed signature (described) to its error; ``first_call_s`` is the wall time of the
-    first call that compiled before returning."""
+    first call that compiled before returning; ``compiled_calls`` / ``eager_calls`` count the calls each way
+    (:func:`region_calls` sums them over the process, for tests and benchmarks)."""
 
     def __init__(self, fn, max_graphs: int = 16):
         self.fn = fn
         self.max_graphs = max_graphs
         self.entries: dict = {}  # signature -> [(compiled, out_spec, guard), ...]
-        self.pending: dict = {}  # signature -> background compile (a Future), one at a time per signature
+        self.pending: dict = {}  # (signature, sizes) -> background compile (a Future)
+        self._guard_texts: dict = {}  # signature -> the size guards of its graphs (a duplicate compile is dropped)
         self.failed: dict = {}   # described signature -> error
         self._failed_sigs: set = set()
         self.num_graphs = 0
+        self.compiled_calls = 0  # calls served by a compiled graph
+        self.eager_calls = 0     # calls that ran ``fn`` eagerly (see the class docstring for when)
         self.first_call_s: Optional[float] = None
         self._warned_limit = False
         functools.update_wrapper(self, fn)
@@ -382,27 +386,33 @@ class CompiledRegion:
 
     # ------------------------------------------------------------------ call path
     def _call(self, args, background: bool):
+        entry = self._entry(args, background)
+        if entry is None:
+            self.eager_calls += 1
+            return self.fn(*args)
+        sig, entry, tensors = entry
+        self.compiled_calls += 1
+        return self._run(sig, entry, args, tensors)
+
+    def _entry(self, args, background: bool):
+        """``(signature, compiled entry, contiguous tensors)`` for this call, or None when it runs eagerly."""
         tensors: list = []
         key = _flatten(args, tensors)
         if key is None or not _plain_call(tensors):
-            return self.fn(*args)
+            return None
         sig = (key, _ambient())
         if sig in self._failed_sigs:
-            return self.fn(*args)
+            return None
         tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # the compiled code reads rows
         entry = self._lookup(sig, tensors)
-        if entry is None and (future := self.pending.get(sig)) is not None:
-            if background and not future.done():
-                return self.fn(*args)
-            entry = self._collect(sig, tensors)  # (a call that compiles before returning waits for it)
+        if entry is None and self.pending:  # (a call that compiles before returning waits for them)
+            entry = self._collect(sig, tensors, wait=not background)
         if entry is None:
             if background and _background_compiler_for(self.fn, tensors) is not None:
                 self._submit(sig, args, tensors)
-                return self.fn(*args)
+                return None
             entry = self._compile_now(sig, args, tensors)
-        if entry is None:
-            return self.fn(*args)
-        return self._run(sig, entry, args, tensors)
+        return None if entry is None else (sig, entry, tensors)
 
     def _lookup(self, sig, tensors):
         for entry in self.entries.get(sig, ()):
@@ -426,6 +436,8 @@ class CompiledRegion:
             outs = compiled(*tensors)
         except Exception as err:  # noqa: BLE001 - any failure of the compiled code: eager for this signature
             self._fail(sig, err)
+            self.compiled_calls -= 1
+            self.eager_calls += 1
             return self.fn(*args)
         return _unflatten(outs, out_spec)
 
@@ -453,44 +465,53 @@ class CompiledRegion:
             except Exception as err:  # noqa: BLE001 - any compiler failure: eager for this signature
                 self._fail(sig, err)
                 return None
-            self.entries.setdefault(sig, []).append(entry)
-            self.num_graphs += 1
+            self._add(sig, entry, text)
             if self.first_call_s is None:
                 self.first_call_s = time.perf_counter() - t0
             return entry
 
     # ------------------------------------------------------------------ compiling in the background
+    def _add(self, sig, entry, guard_text: str) -> None:
+        texts = self._guard_texts.setdefault(sig, set())
+        if guard_text not in texts:
+            texts.add(guard_text)
+            self.entries.setdefault(sig, []).append(entry)
+            self.num_graphs += 1
+
     def _submit(self, sig, args, tensors) -> None:
+        """Queue ``sig`` for these sizes: every size pattern of a signature (e.g. MGR's accumulating merges, one
+        per stream count) is queued at its first call, so one :func:`wait_for_compiles` after the first step
+        covers them all. Sizes another pending compile will serve may be compiled twice; the second is dropped."""
+        key = (sig, tuple(tuple(t.shape) for t in tensors))
         with COMPILE_LOCK:
-            if sig in self.pending or not self._room():
+            if key in self.pending or not self._room():
                 return
             compiler = _background_compiler_for(self.fn, tensors)
             _notice("background", f"lightning_resctl: compiling {self.__name__} (and the other merge math) in a "
                                   "background process; the merges run eagerly until it is ready")
-            self.pending[sig] = compiler.submit(self.fn, args, sig[1])
+            self.pending[key] = compiler.submit(self.fn, args, sig[1])
 
-    def _collect(self, sig, tensors):
-        """Load the finished background compile of ``sig``; its entry if it serves ``tensors``."""
+    def _collect(self, sig, tensors, wait: bool):
+        """Load the finished background compiles of ``sig`` (``wait``: wait for all of them); the entry that
+        serves ``tensors``, or None."""
         with COMPILE_LOCK:
-            future = self.pending.pop(sig, None)
-            if future is None:  # another thread collected it
-                return self._lookup(sig, tensors)
-            try:
-                from torch._inductor import CompiledArtifact
+            for key in [k for k, f in self.pending.items() if k[0] == sig and (wait or f.done())]:
+                future = self.pending.pop(key)
+                try:
+                    from torch._inductor import CompiledArtifact
 
-                result = future.result()
-                if "error" in result:
-                    raise RuntimeError(result["error"])
-                compiled = CompiledArtifact.load(path=result["path"], format="binary")
-                os.remove(result["path"])
-                tree, kinds, constants = result["spec"]
-                entry = (compiled, (treespec_loads(tree), kinds, constants), _guard_from_text(result["guard"]))
-            except Exception as err:  # noqa: BLE001 - any compiler failure: eager for this signature
-                self._fail(sig, err)
-                return None
-            self.entries.setdefault(sig, []).append(entry)
-            self.num_graphs += 1
-            return entry if entry[2](tensors) else None
+                    result = future.result()
+                    if "error" in result:
+                        raise RuntimeError(result["error"])
+                    compiled = CompiledArtifact.load(path=result["path"], format="binary")
+                    os.remove(result["path"])
+                    tree, kinds, constants = result["spec"]
+                    entry = (compiled, (treespec_loads(tree), kinds, constants), _guard_from_text(result["guard"]))
+                except Exception as err:  # noqa: BLE001 - any compiler failure: eager for this signature
+                    self._fail(sig, err)
+                    return None
+                self._add(sig, entry, result["guard"])
+            return self._lookup(sig, tensors)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait for this region's background compiles (at most ``timeout`` seconds); True when none is left.
@@ -525,6 +546,17 @@ def _background_compiler_for(fn, tensors):
     from . import _background_compile
 
     return _background_compile.compiler_for(fn)
+
+
+def region_calls() -> dict:
+    """``{region name: (graphs, compiled calls, eager calls)}`` over every live region of this process (regions of
+    one name added up): after :func:`wait_for_compiles`, a steady state whose eager count still grows runs some
+    signature eagerly for good."""
+    out: dict = {}
+    for region in list(_REGIONS):
+        g, c, e = out.get(region.__name__, (0, 0, 0))
+        out[region.__name__] = (g + region.num_graphs, c + region.compiled_calls, e + region.eager_calls)
+    return out
 
 
 def wait_for_compiles(timeout: Optional[float] = None) -> bool:

@@ -127,3 +127,100 @@ def test_the_background_process_yields_before_it_imports_torch():
     finally:
         proc.kill()
         proc.wait()
+
+
+def _rowwise_math(a, b):
+    """Importable by name: a row reduction and an elementwise tail, which inductor's CPU code parallelizes over
+    rows when it compiles for more than one thread."""
+    return a * torch.sigmoid((a * b).sum(-1, keepdim=True)) + b
+
+
+_CODEGEN_SCRIPT = r'''
+import os, sys, time
+import torch
+sys.path[:0] = [{tests!r}]
+torch.set_num_threads(2)
+from lightning_resctl.backends import CompiledRegion, wait_for_compiles
+from test_region_background import _rowwise_math
+
+cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+def generated_code():
+    out = {{}}
+    for root, _, files in os.walk(cache):
+        for name in files:
+            if name.endswith((".cpp", ".py")):
+                path = os.path.join(root, name)
+                with open(path, errors="replace") as f:
+                    out[path] = f.read()
+    return out
+
+a, b = torch.randn(64, 512), torch.randn(64, 512)
+before = generated_code()
+region = CompiledRegion(_rowwise_math)
+region.background(a, b)
+assert wait_for_compiles(timeout=600)
+torch.testing.assert_close(region.background(a, b), _rowwise_math(a, b))
+assert region.num_graphs == 1, region.failed
+new = [text for path, text in generated_code().items() if path not in before]
+kernels = [t for t in new if "cpp_fused" in t or "extern \"C\"" in t]
+print("KERNELS", len(kernels))
+print("PARALLEL", sum("#pragma omp parallel" in t for t in kernels))
+'''
+
+
+@needs_compiler
+@pytest.mark.skipif(torch.get_num_threads() < 2 and (os.cpu_count() or 1) < 2, reason="needs two CPU threads")
+def test_the_background_compile_generates_the_parents_multithreaded_code(tmp_path):
+    """The background child must compile for the thread count of the training process, not its own: inductor
+    writes a CPU kernel for ``torch.get_num_threads()`` threads, and a child that compiled with one thread
+    produced single-threaded kernels that the parent then ran for good (MGR's default backend after
+    ``wait_for_compiles()`` was ~10 % slower per step than ``backend="torch-compiled"`` on 2 cores)."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), LIGHTNING_RESCTL_COMPILE="1")
+    proc = subprocess.run([sys.executable, "-c", _CODEGEN_SCRIPT.format(tests=tests)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = dict(line.split() for line in proc.stdout.splitlines() if line.startswith(("KERNELS", "PARALLEL")))
+    assert int(counts["KERNELS"]) >= 1, proc.stdout
+    assert int(counts["PARALLEL"]) >= 1, f"the background compile wrote single-threaded kernels: {proc.stdout}"
+
+
+@needs_compiler
+@pytest.mark.parametrize("method", ["mgr-competitive", "rescontroller"])
+def test_after_the_wait_the_default_backend_runs_every_merge_compiled(method):
+    """The default backend's steady state is the compiled one: once ``wait_for_compiles()`` returned, training
+    steps call no region eagerly, and the regions hold the graphs ``backend="torch-compiled"`` compiles."""
+    from lightning_resctl import patch_residuals
+    from lightning_resctl.backends import region_calls
+    from lightning_resctl.testing.models import NanoGPT, gpt_loss
+
+    def steps(model, n):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for _ in range(n):
+            gpt_loss(model, idx).backward()
+            opt.step()
+            opt.zero_grad()
+
+    idx = torch.randint(0, 64, (2, 16))
+    torch.manual_seed(0)
+    default = NanoGPT(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    patch_residuals(default, method=method)
+    steps(default, 2)
+    assert wait_for_compiles(timeout=600)
+    steps(default, 1)  # loads what the background compiled
+    before = region_calls()
+    steps(default, 2)
+    after = region_calls()
+    eager = {name: after[name][2] - before[name][2] for name in after}
+    ran = {name: after[name][1] - before[name][1] for name in after}
+    assert sum(ran.values()) > 0 and all(e == 0 for e in eager.values()), (ran, eager)
+
+    # the regions are shared by the process: "torch-compiled" finds every graph it needs compiled already
+    compiled = NanoGPT(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    patch_residuals(compiled, method=method, backend="torch-compiled")
+    steps(compiled, 1)
+    assert {name: g for name, (g, _, _) in region_calls().items()} == {name: g for name, (g, _, _) in after.items()}
