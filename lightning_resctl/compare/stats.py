@@ -10,13 +10,24 @@ seeds, a 95 % paired *t* interval of the mean difference, ``mean(d) ± t(0.975, 
 
 The headline stays conservative: a difference is called *beyond the seed spread* only when the per-seed ranges of
 the method and of plain do not overlap. With one seed no claim is made.
+
+How much the seeds could tell (with at least 2 seeds): the *detectable difference* is the smallest true mean
+difference that the paired t test at 5 % (two-sided) finds with 80 % power at the seed-to-seed spread observed,
+
+    MDE(n) = (t(0.975, n-1) + t(0.80, n-1)) · sd(d) / sqrt(n)
+
+(the usual power approximation of the one-sample t test on the differences, with the sample sd standing in for
+the true one); and *seeds needed* is the smallest n with ``MDE(n) <= |mean(d)|``: about how many seeds the observed
+difference would need to be shown with that power (None when the mean difference is 0). So "no difference shown"
+comes with "and none smaller than MDE could have been". 80 % and 5 % are the conventional choices, not ours.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
 
-__all__ = ["describe", "paired", "t_quantile_975", "verdict"]
+__all__ = ["describe", "paired", "t_quantile_975", "t_quantile_80", "detectable_difference", "seeds_needed",
+           "verdict"]
 
 # t(0.975, df) for df = 1..30 (beyond: the Cornish-Fisher expansion around the normal quantile, error < 1e-3)
 _T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.306, 2.2622, 2.2281, 2.201, 2.1788, 2.1604,
@@ -24,14 +35,55 @@ _T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.306, 2.2622,
          2.0518, 2.0484, 2.0452, 2.0423)
 
 
-def t_quantile_975(df: int) -> float:
-    """The 97.5 % quantile of Student's t with ``df`` degrees of freedom."""
+# t(0.80, df) for df = 1..30
+_T80 = (1.3764, 1.0607, 0.9785, 0.941, 0.9195, 0.9057, 0.896, 0.8889, 0.8834, 0.8791, 0.8755, 0.8726, 0.8702,
+        0.8681, 0.8662, 0.8647, 0.8633, 0.862, 0.861, 0.86, 0.8591, 0.8583, 0.8575, 0.8569, 0.8562, 0.8557, 0.8551,
+        0.8546, 0.8542, 0.8538)
+
+
+def _t_quantile(table: tuple, z: float, df: int) -> float:
     if df < 1:
         raise ValueError(f"df must be >= 1, got {df!r}")
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = 1.959964
+    if df <= len(table):
+        return table[df - 1]
     return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def t_quantile_975(df: int) -> float:
+    """The 97.5 % quantile of Student's t with ``df`` degrees of freedom."""
+    return _t_quantile(_T975, 1.959964, df)
+
+
+def t_quantile_80(df: int) -> float:
+    """The 80 % quantile of Student's t with ``df`` degrees of freedom."""
+    return _t_quantile(_T80, 0.841621, df)
+
+
+def detectable_difference(sd: float, n: int) -> float:
+    """The smallest mean paired difference that ``n`` seeds with per-seed differences of standard deviation ``sd``
+    detect with 80 % power (paired t test, 5 % two-sided; see the module docstring)."""
+    if n < 2:
+        raise ValueError(f"n must be >= 2 seeds, got {n!r}")
+    return (t_quantile_975(n - 1) + t_quantile_80(n - 1)) * sd / math.sqrt(n)
+
+
+def seeds_needed(difference: float, sd: float, limit: int = 100_000) -> int | None:
+    """The smallest number of seeds whose :func:`detectable_difference` at ``sd`` is at most ``|difference|``
+    (None when ``difference`` is 0, or more than ``limit`` seeds would be needed)."""
+    difference = abs(difference)
+    if difference == 0 or not math.isfinite(difference):
+        return None
+    if sd == 0:
+        return 2
+    # beyond the tables MDE(n) ~ (z.975 + z.80) sd / sqrt(n): start the search near that and walk down, then up
+    n = max(2, min(limit, int(((1.959964 + 0.841621) * sd / difference) ** 2)))
+    while n > 2 and detectable_difference(sd, n - 1) <= difference:
+        n -= 1
+    while detectable_difference(sd, n) > difference:
+        n += 1
+        if n > limit:
+            return None
+    return n
 
 
 def describe(values: Sequence[float]) -> dict[str, float]:
@@ -47,25 +99,49 @@ def describe(values: Sequence[float]) -> dict[str, float]:
 def paired(method: Mapping[int, float], plain: Mapping[int, float], mode: str = "min") -> dict[str, object]:
     """Seed-by-seed comparison of ``method`` with ``plain`` (``{seed: value}``) on the seeds both have.
 
-    Returns ``{"seeds", "diffs", "mean", "min", "max", "better", "n", "ci"}``; ``ci`` is the 95 % paired t interval
-    ``[lo, hi]`` of the mean difference (None with fewer than 3 seeds)."""
+    Returns ``{"seeds", "diffs", "mean", "min", "max", "better", "n", "ci", "sd", "detectable", "seeds_needed"}``;
+    ``ci`` is the 95 % paired t interval ``[lo, hi]`` of the mean difference (None with fewer than 3 seeds);
+    ``sd`` the differences' standard deviation, ``detectable`` the :func:`detectable_difference` of these seeds and
+    ``seeds_needed`` the seeds the observed mean difference would need (:func:`seeds_needed`) — None with fewer
+    than 2 seeds."""
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     seeds = sorted(s for s in method if s in plain and all(math.isfinite(v) for v in (method[s], plain[s])))
     diffs = [method[s] - plain[s] for s in seeds]
     n = len(diffs)
-    out: dict[str, object] = {"seeds": seeds, "diffs": diffs, "n": n, "ci": None,
+    out: dict[str, object] = {"seeds": seeds, "diffs": diffs, "n": n, "ci": None, "sd": None, "detectable": None,
+                              "seeds_needed": None,
                               "better": sum(1 for d in diffs if (d < 0 if mode == "min" else d > 0))}
     if not n:
         out.update(mean=math.nan, min=math.nan, max=math.nan)
         return out
     mean = sum(diffs) / n
     out.update(mean=mean, min=min(diffs), max=max(diffs))
-    if n >= 3:
+    if n >= 2:
         sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
-        half = t_quantile_975(n - 1) * sd / math.sqrt(n)
+        out.update(sd=sd, detectable=detectable_difference(sd, n), seeds_needed=seeds_needed(mean, sd))
+    if n >= 3:
+        half = t_quantile_975(n - 1) * out["sd"] / math.sqrt(n)
         out["ci"] = [mean - half, mean + half]
     return out
+
+
+def power_sentence(pair: Mapping[str, object], digits: int = 4) -> str:
+    """What the seeds could have shown: the detectable difference and the seeds the observed one would need."""
+    n, mde, need = pair["n"], pair.get("detectable"), pair.get("seeds_needed")
+    if mde is None:
+        return ""
+    shown = pair.get("ci") is not None and (pair["ci"][0] > 0 or pair["ci"][1] < 0)
+    text = (f" How much these seeds can tell: with {n} seeds the smallest difference the paired t test could detect "
+            f"(80% power, 5% two-sided) is {mde:.{digits}f}" + ("" if shown else "; none smaller could have been shown")
+            + ". ")
+    if need is None:
+        text += "The observed mean difference is 0: no number of seeds would show it."
+    elif need <= n:
+        text += f"The observed difference needs {need} seeds, and {n} were run."
+    else:
+        text += f"The observed difference ({pair['mean']:+.{digits}f}) would need about {need} seeds."
+    return text
 
 
 def verdict(method_stats: Mapping[str, float], plain_stats: Mapping[str, float], pair: Mapping[str, object],
@@ -95,4 +171,4 @@ def verdict(method_stats: Mapping[str, float], plain_stats: Mapping[str, float],
         tail += (f", 95% paired t interval [{ci[0]:+.{digits}f}, {ci[1]:+.{digits}f}]"
                  + (f" (excludes 0: {better_word if (ci[1] < 0) == (mode == 'min') else worse_word} than plain)."
                     if excludes else " (includes 0)."))
-    return head + tail
+    return head + tail + power_sentence(pair, digits)

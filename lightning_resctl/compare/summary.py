@@ -29,6 +29,7 @@ class SummaryTable:
     ``summary.json`` holds; ``table.path`` the summary's folder."""
 
     columns = ("method", "status", "final", "spread", "seeds", "diff_vs_plain", "diff_ci95", "better_seeds",
+               "detectable_diff", "seeds_needed",
                "init_output_diff", "init_grad_diff", "init_flagged", "cost_vs_plain", "cost_iqr", "cost_reliable",
                "final_train_loss", "params_added", "merges")
 
@@ -192,6 +193,8 @@ def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]]
             "method": m, "status": "done", "final": stats["mean"], "spread": stats["spread"], "seeds": stats["n"],
             "diff_vs_plain": pair["mean"] if pair else (0.0 if m == PLAIN else math.nan),
             "diff_ci95": pair["ci"] if pair else None, "better_seeds": (pair["better"], pair["n"]) if pair else None,
+            "detectable_diff": pair["detectable"] if pair else None,
+            "seeds_needed": pair["seeds_needed"] if pair else None,
             "init_output_diff": init_out, "init_grad_diff": init_grad, "init_flagged": flagged,
             "cost_vs_plain": per[m]["cost"]["ratio"] if per[m]["cost"] else math.nan,
             "cost_iqr": per[m]["cost"]["iqr"] if per[m]["cost"] else None,
@@ -247,10 +250,13 @@ def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]]
     lines += [f"± is the seed spread: half the range of the per-seed values. Start vs plain: relative difference of "
               f"the outputs / of the gradient norm to plain's at init, on the first validation batch; ⚠ marks a rule "
               f"whose docs call it identity at init but that starts more than {IDENTITY_TOLERANCE:g} away. "
-              f"{cost_text}Train loss: mean over the last 10% of steps.", ""]
-    table = [f"| method | {monitor} | vs plain, paired by seed | start vs plain (output / grad) | cost vs plain "
-             f"| train loss | stream RMS last/first | params added | merges |",
-             "|---|---|---|---|---|---|---|---|---|"]
+              f"{cost_text}Detectable / seeds needed: the smallest difference to plain these seeds could detect with "
+              f"80% power (paired t test, 5% two-sided, at the per-seed differences' spread) / about how many seeds "
+              f"the observed difference would need. Train loss: mean over the last 10% of steps.", ""]
+    table = [f"| method | {monitor} | vs plain, paired by seed | detectable / seeds needed | "
+             f"start vs plain (output / grad) | cost vs plain | train loss | stream RMS last/first | params added "
+             f"| merges |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for m in methods:
         if m not in per:
             continue
@@ -264,13 +270,17 @@ def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]]
             vs = f"{pair['mean']:+.4f}, better in {pair['better']}/{pair['n']}"
             if pair["ci"] is not None:
                 vs += f", 95% CI [{pair['ci'][0]:+.4f}, {pair['ci'][1]:+.4f}]"
+        power = "—"
+        if pair is not None and pair.get("detectable") is not None:
+            need = pair["seeds_needed"]
+            power = f"{pair['detectable']:.4f} / {need if need is not None else '—'}"
         start = ("—" if m == PLAIN else f"{p['init_output_diff']:.1e} / {p['init_grad_diff']:.1e}"
                  + (" ⚠" if p["init_flagged"] else ""))
         growth = p["stream_rms_last_over_first"]
-        table.append(f"| {m} | {_fmt(p['final'])} | {vs} | {start} | {_cost_cell(cost, m)} | "
+        table.append(f"| {m} | {_fmt(p['final'])} | {vs} | {power} | {start} | {_cost_cell(cost, m)} | "
                      f"{_fmt(p['final_train_loss'])} | {f'{growth:.3g}' if math.isfinite(growth) else 'n/a'} | "
                      f"{p['params_added']:,} | {p['sites']} |")
-    table += [f"| {m} | {r['status']}: {r['reason']} | | | | | | | |" for m, r in not_run.items()]
+    table += [f"| {m} | {r['status']}: {r['reason']} | | | | | | | | |" for m, r in not_run.items()]
     lines += table
     flagged = [m for m in per if per[m]["init_flagged"]]
     if flagged:
