@@ -37,6 +37,16 @@ class _PatchState:
     owners: list = field(default_factory=list)   # (module, original class, [site attribute names])
     added: list = field(default_factory=list)    # (module, attribute name) of registered chain modules
     hooks: list = field(default_factory=list)    # hook handles of the chains' owners
+    switched: list = field(default_factory=list)  # (module, attribute, original value): native fast paths turned off
+
+
+#: Modules whose forward can take a native kernel instead of the Python lines the patch rewrites, in eval under
+#: ``no_grad`` (how Lightning validates): ``nn.TransformerEncoderLayer``'s fused inference path and
+#: ``nn.TransformerEncoder``'s nested-tensor path over such layers. For each: the attribute that turns the path off
+#: and its value, set on every such module that is or holds a patched module (restored by unpatching). The
+#: attributes are only read by those checks (and handed to the fused kernel): the Python forward is unchanged.
+_NATIVE_FAST_PATHS = ((nn.TransformerEncoderLayer, "activation_relu_or_gelu", 0),
+                      (nn.TransformerEncoder, "use_nested_tensor", False))
 
 
 # ---------------------------------------------------------------------------------------------- public API
@@ -154,6 +164,8 @@ def unpatch_residuals(model: nn.Module) -> None:
                 del module._modules[attr]
         for handle in state.hooks:
             handle.remove()
+        for module, attr, value in state.switched:
+            setattr(module, attr, value)
         del holder.__dict__[_STATE_ATTR]
 
 
@@ -911,6 +923,7 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
             names.append(attr)
         owner.__class__ = sub
         state.owners.append((owner, cls, names))
+    _turn_off_native_fast_paths(model, state)
 
     # report entries: one per merge execution
     for ev in sorted((e for e in plan.merges if not e.is_partial),
@@ -924,6 +937,17 @@ def _apply(model: nn.Module, plan: _Plan, rule, report: PatchReport, obs: Observ
             called_at=getattr(site, "called_at", ""),
             parallel_parts=tuple(f"{m.location}: {_source_line(m)}" for m in _parallel_block(ev, obs.events)[:-1])))
     return state
+
+
+def _turn_off_native_fast_paths(model: nn.Module, state: _PatchState) -> None:
+    """The patched lines must run in every mode: see :data:`_NATIVE_FAST_PATHS`."""
+    patched = {id(owner) for owner, _, _ in state.owners}
+    for module in model.modules():
+        for fast_cls, attr, off in _NATIVE_FAST_PATHS:
+            if (isinstance(module, fast_cls) and hasattr(module, attr)
+                    and any(id(m) in patched for m in module.modules())):
+                state.switched.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, off)
 
 
 _PENDING = ChainRun(-1, 0, {})  # placeholder until the chain's run is built
