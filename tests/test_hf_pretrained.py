@@ -112,6 +112,13 @@ def test_plain_auto_load_of_a_patched_folder_is_the_unpatched_network(tmp_path):
     with torch.no_grad():
         assert not torch.equal(plain(IDS).logits, model(IDS).logits)
     assert "lightning_resctl.from_pretrained" in plain.config.lightning_resctl["load_with"]
+    # saved again, the folder has the note but no sites: the loader loads it as saved (unpatched) and says so
+    plain.save_pretrained(tmp_path / "again")
+    with pytest.warns(UserWarning, match="no merge site"):
+        again = lightning_resctl.from_pretrained(AutoModelForCausalLM, tmp_path / "again")
+    assert not merge_sites(again)
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, plain(IDS).logits)
 
 
 def test_loader_keeps_hf_kwargs_and_loading_info(tmp_path):

@@ -186,3 +186,10 @@ def test_transformers_stays_optional():
                        for n in names) and rel != "lightning_resctl/callbacks/hf_trainer.py":
                     offenders.append(f"{rel}:{stmt.lineno}")
     assert not offenders
+
+
+def test_a_model_rebuilt_by_model_init_is_refused_not_trained_unpatched(tmp_path):
+    cb = ResidualTrainerCallback(method="rescontroller")
+    trainer = Trainer(model_init=_gpt2, args=_args(tmp_path, max_steps=1), train_dataset=_data(), callbacks=[cb])
+    with pytest.raises(RuntimeError, match="model_init"):
+        trainer.train()
