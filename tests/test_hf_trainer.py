@@ -193,3 +193,28 @@ def test_a_model_rebuilt_by_model_init_is_refused_not_trained_unpatched(tmp_path
     trainer = Trainer(model_init=_gpt2, args=_args(tmp_path, max_steps=1), train_dataset=_data(), callbacks=[cb])
     with pytest.raises(RuntimeError, match="model_init"):
         trainer.train()
+
+
+def test_wandb_offline_run_gets_the_scalars_and_figures(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from test_callbacks_loggers import _wandb_history
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    cb = ResidualTrainerCallback(method="rescontroller", histograms=False)
+    trainer = Trainer(model=_gpt2(), args=_args(tmp_path, report_to=["wandb"]), train_dataset=_data(),
+                      callbacks=[cb])
+    trainer.train()
+    import wandb
+
+    run_dir = Path(wandb.run.dir).parent
+    wandb.finish()
+    wandb.teardown()  # waits until the run file is written
+    (run_file,) = run_dir.glob("run-*.wandb")
+    rows = _wandb_history(run_file)
+    ours = [r for r in rows if "resctl/summary/growth_last" in r]
+    assert [r["train/global_step"] for r in ours] == [2, 4]  # the Trainer's step axis, beside its own train/loss
+    assert [r["train/global_step"] for r in rows if "train/loss" in r] == [2, 4]
+    assert ours[-1]["resctl/stream_rms/03"] == pytest.approx(cb.depth_profile["stream_rms"][3], rel=1e-6)
+    assert any(k.startswith("resctl/depth_profile/") and k.endswith("/_type") for r in rows for k in r)
