@@ -218,3 +218,12 @@ def test_wandb_offline_run_gets_the_scalars_and_figures(tmp_path, monkeypatch):
     assert [r["train/global_step"] for r in rows if "train/loss" in r] == [2, 4]
     assert ours[-1]["resctl/stream_rms/03"] == pytest.approx(cb.depth_profile["stream_rms"][3], rel=1e-6)
     assert any(k.startswith("resctl/depth_profile/") and k.endswith("/_type") for r in rows for k in r)
+
+
+def test_bad_arguments_raise_on_construction():
+    with pytest.raises(ValueError, match="streamz"):
+        ResidualTrainerCallback(method="mgr", options={"streamz": 2})
+    with pytest.raises(ValueError, match="no-such-rule"):
+        ResidualTrainerCallback(method="no-such-rule")
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        ResidualTrainerCallback(log_every_n_steps=0)

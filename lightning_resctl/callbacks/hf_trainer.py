@@ -12,7 +12,7 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
-from ..diagnostics.monitor import ResidualMonitor
+from ..diagnostics.monitor import ResidualMonitor, _positive_int
 from ..diagnostics.sinks import MLflowSink, Sink, TensorBoardSink, WandbSink
 from ..surgery.pretrained import example_input_for
 
@@ -169,11 +169,8 @@ class ResidualTrainerCallback(TrainerCallback):
         prefix: str = "resctl",
         **method_options: Any,
     ) -> None:
-        if log_every_n_steps is not None and (
-            not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1
-        ):
-            raise ValueError(f"log_every_n_steps must be a positive int or None, got {log_every_n_steps!r}")
-        self.log_every_n_steps = log_every_n_steps
+        self.log_every_n_steps = None if log_every_n_steps is None else _positive_int("log_every_n_steps",
+                                                                                      log_every_n_steps)
         #: the recorder (and, through ``monitor.patcher``, the owner of the patch)
         self.monitor = ResidualMonitor(
             None, log_every_n_steps or 1, per_depth=per_depth, histograms=histograms, depth_images=depth_images,
