@@ -18,6 +18,7 @@ from transformers import (  # noqa: E402
 )
 
 import lightning_resctl  # noqa: E402
+from lightning_resctl.surgery.checkpoint import load_tied_state_dict  # noqa: E402
 from lightning_resctl import (  # noqa: E402
     get_patch_report,
     load_unpatched_state_dict,
@@ -164,6 +165,9 @@ def test_patch_from_checkpoint_then_tied_load(tmp_path):
     fresh = _gpt2()
     assert patch_from_checkpoint(fresh, state_dict, example_input=IDS) is not None
     assert fresh.lm_head.weight is fresh.transformer.wte.weight  # the patch keeps the tie
+    load_tied_state_dict(fresh, state_dict)
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(IDS).logits, model(IDS).logits)
 
 
 def test_load_unpatched_state_dict_accepts_the_tied_weight_left_out(tmp_path):

@@ -177,7 +177,8 @@ def patch_from_checkpoint(module: nn.Module, checkpoint: dict, example_input: An
     Returns the :class:`PatchReport`, or None when there is nothing to do: ``module`` holds merge sites already
     (patched by hand or by a callback's ``setup``; the strict load then checks that the records match) or the
     checkpoint holds no record. ``example_input`` (default ``module.example_input_array``) and ``kwargs`` as for
-    :func:`patch_from_state_dict`."""
+    :func:`patch_from_state_dict`. The patch keeps tied weights tied; a state dict that leaves a tied copy out
+    (``save_pretrained``'s) loads afterwards with :func:`load_tied_state_dict`."""
     if not isinstance(checkpoint, dict):
         raise TypeError(f"checkpoint must be a dict (a Lightning checkpoint or a state dict), got "
                         f"{type(checkpoint).__name__}")
