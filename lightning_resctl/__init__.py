@@ -45,6 +45,8 @@ _EXPORTS = {
     "patch_from_state_dict": "surgery",
     "patch_from_checkpoint": "surgery",
     "PatchOnLoadMixin": "surgery",
+    "from_pretrained": "surgery",
+    "ResidualTrainerCallback": "callbacks",
     "MGRRun": "mgr",
     "merge_rules": "rules",
     "register_merge_rule": "rules",

@@ -4,9 +4,19 @@
   adapter of :class:`lightning_resctl.ResidualMonitor`).
 * :class:`ResidualAblationCallback` — validation-loss increase per skipped merge (:func:`lightning_resctl.ablate`).
 * :func:`patch_in_configure_model` — the one-liner for models built and sharded in ``configure_model``.
+* :class:`ResidualTrainerCallback` — the same for Hugging Face's ``transformers.Trainer`` (imports transformers
+  when first used).
 """
 from .ablation import ResidualAblationCallback
 from .control import ResidualControlCallback
 from .sharded import patch_in_configure_model
 
-__all__ = ["ResidualControlCallback", "ResidualAblationCallback", "patch_in_configure_model"]
+__all__ = ["ResidualControlCallback", "ResidualAblationCallback", "patch_in_configure_model", "ResidualTrainerCallback"]
+
+
+def __getattr__(name: str):
+    if name == "ResidualTrainerCallback":  # transformers is an optional dependency: imported on first use
+        from .hf_trainer import ResidualTrainerCallback
+
+        return ResidualTrainerCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

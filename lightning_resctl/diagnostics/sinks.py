@@ -8,7 +8,8 @@
 * other Lightning loggers (``CSVLogger``, ...): scalars (``log_metrics``);
 * a folder (:class:`PNGSink`): figures as PNG files, the ``about`` text as ``about.md``.
 
-:func:`sinks_for` turns what the user passes (a Trainer, a Fabric, loggers, a SummaryWriter, None) into sinks;
+:func:`sinks_for` turns what the user passes (a Trainer, a Fabric, loggers, a SummaryWriter, ready sinks, None) into
+sinks;
 when none of them takes images, figures go to PNG files in ``<log dir>/resctl_figures``.
 """
 from __future__ import annotations
@@ -190,6 +191,9 @@ def _log_dir(obj: Any) -> str | None:
 
 def _collect(dest: Any, out: list[Sink], dirs: list[str], what: str) -> None:
     if dest is None:
+        return
+    if isinstance(dest, Sink):  # made by an adapter that knows its destination (e.g. the HF Trainer callback)
+        out.append(dest)
         return
     if isinstance(dest, (list, tuple)):
         for d in dest:

@@ -20,7 +20,8 @@ Where to patch in Lightning: before ``configure_optimizers``, DDP/FSDP wrapping 
 
 Checkpoints (:mod:`.checkpoint`): a patched model's ``state_dict`` loads into a freshly patched twin as usual;
 :func:`patch_from_state_dict` patches a fresh model as the checkpoint's site records say, then loads it, and
-:class:`PatchOnLoadMixin` makes ``MyModule.load_from_checkpoint(path)`` do that. An unpatched checkpoint loads
+:class:`PatchOnLoadMixin` makes ``MyModule.load_from_checkpoint(path)`` do that; a transformers
+``save_pretrained`` folder of a patched model loads with :func:`from_pretrained` (:mod:`.pretrained`). An unpatched checkpoint loads
 into a patched model with :func:`load_unpatched_state_dict` (the sites' records and MGR's new parameters are
 the only keys allowed to be missing; it returns their names).
 
@@ -29,6 +30,7 @@ seen); MGR refuses models with activation checkpointing enabled (a recomputed bl
 merges); patch before wrapping (DDP/FSDP/``torch.compile``) and unpatch before ``fully_shard``.
 """
 from .checkpoint import PatchOnLoadMixin, load_unpatched_state_dict, patch_from_checkpoint, patch_from_state_dict
+from .pretrained import from_pretrained
 from .patch import get_patch_report, merge_sites, patch_residuals, unpatch_residuals
 from .report import ChainInfo, PatchReport, SiteInfo, SkippedInfo
 from .sites import MergeSite
@@ -42,6 +44,7 @@ __all__ = [
     "patch_from_state_dict",
     "patch_from_checkpoint",
     "PatchOnLoadMixin",
+    "from_pretrained",
     "MergeSite",
     "PatchReport",
     "SiteInfo",

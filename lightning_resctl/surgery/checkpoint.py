@@ -35,18 +35,40 @@ def load_unpatched_state_dict(model: nn.Module, state_dict: dict) -> list:
 
     Every key of ``state_dict`` must match; the only keys allowed to be missing are the parameters the
     patch added (``report.new_parameters``: MGR's queries and biases), which keep their init. Returns the
-    list of those new keys (the sites' ``_extra_state`` records included). Raises RuntimeError for any other
-    missing or unexpected key."""
+    list of those new keys (the sites' ``_extra_state`` records included). A tied weight (one tensor under two
+    names, e.g. GPT-2's ``lm_head.weight``) may be missing when another of its names is loaded, as in the state
+    dicts ``save_pretrained`` writes. Raises RuntimeError for any other missing or unexpected key."""
     report = get_patch_report(model)
     if report is None:
         raise RuntimeError("model is not patched: use model.load_state_dict")
     result = model.load_state_dict(state_dict, strict=False)
     new = set(report.new_parameters) | set(getattr(report, "new_keys", ()))
-    missing = [k for k in result.missing_keys if k not in new]
+    missing = [k for k in _untied(model, result.missing_keys, state_dict) if k not in new]
     if missing or result.unexpected_keys:
         raise RuntimeError(f"checkpoint does not match the unpatched model: missing keys {missing}, "
                            f"unexpected keys {list(result.unexpected_keys)}")
     return [k for k in result.missing_keys if k in new]
+
+
+def _untied(model: nn.Module, missing: list, state_dict: dict) -> list:
+    """The keys of ``missing`` that are not filled by the load: a tied weight (a parameter or buffer the model
+    holds under several names, e.g. GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``) is filled when
+    ``state_dict`` holds another of its names (transformers' ``save_pretrained`` keeps one name per tie)."""
+    names: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    loaded = {name for group in names.values() if any(n in state_dict for n in group) for name in group}
+    return [k for k in missing if k not in loaded]
+
+
+def load_tied_state_dict(model: nn.Module, state_dict: dict) -> None:
+    """``model.load_state_dict(state_dict)`` (strict), except that a tied weight may be missing when another of its
+    names is in ``state_dict`` (see :func:`_untied`). Raises RuntimeError naming the missing / unexpected keys."""
+    result = model.load_state_dict(state_dict, strict=False)
+    missing = _untied(model, result.missing_keys, state_dict)
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}: missing keys {missing}, "
+                           f"unexpected keys {list(result.unexpected_keys)}")
 
 
 def _records(state_dict: dict) -> list:
@@ -133,13 +155,15 @@ def patch_from_state_dict(model: nn.Module, state_dict: dict, example_input: Any
     that cannot run here (``"triton"`` without a GPU) becomes ``"auto"``, with a warning. ``example_input`` and
     ``include``/``exclude`` (instead of the records') are passed to :func:`patch_residuals`; other ``kwargs``
     override recorded options (e.g. ``backend="torch-eager"``; an option that changes the math then fails the
-    strict load, naming it). Raises ValueError when ``state_dict`` holds no record."""
+    strict load, naming it). The load is strict, except that a tied weight may be missing when another of its names
+    is loaded (``save_pretrained`` keeps one name per tie: GPT-2's ``lm_head.weight`` is left out). Raises
+    ValueError when ``state_dict`` holds no record. (A ``save_pretrained`` folder: :func:`from_pretrained`.)"""
     records = _records(state_dict)
     if not records:
         raise ValueError("state_dict holds no lightning_resctl site record (it is not from a patched model): use "
                          "model.load_state_dict")
     report = _reapply(model, records, example_input, **kwargs)
-    model.load_state_dict(state_dict)
+    load_tied_state_dict(model, state_dict)
     return report
 
 
@@ -153,7 +177,8 @@ def patch_from_checkpoint(module: nn.Module, checkpoint: dict, example_input: An
     Returns the :class:`PatchReport`, or None when there is nothing to do: ``module`` holds merge sites already
     (patched by hand or by a callback's ``setup``; the strict load then checks that the records match) or the
     checkpoint holds no record. ``example_input`` (default ``module.example_input_array``) and ``kwargs`` as for
-    :func:`patch_from_state_dict`."""
+    :func:`patch_from_state_dict`. The patch keeps tied weights tied; a state dict that leaves a tied copy out
+    (``save_pretrained``'s) loads afterwards with :func:`load_tied_state_dict`."""
     if not isinstance(checkpoint, dict):
         raise TypeError(f"checkpoint must be a dict (a Lightning checkpoint or a state dict), got "
                         f"{type(checkpoint).__name__}")

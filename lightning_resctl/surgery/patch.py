@@ -9,6 +9,7 @@ from typing import Any, Iterable, Optional
 from torch import nn
 
 from .observe import AddEvent, Observation, observe
+from .pretrained import forget_patch_on_config, note_patch_on_config
 from .report import ChainInfo, PatchReport, SiteInfo, SkippedInfo
 from .rewrite import (
     CallEdit,
@@ -133,6 +134,7 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
     report.new_keys = [k for k in model.state_dict().keys() if k not in before]
     report.patch_seconds = time.perf_counter() - t0
     model.__dict__[_STATE_ATTR] = state
+    note_patch_on_config(model, report)  # a transformers model: save_pretrained's config.json says it is patched
     return report
 
 
@@ -167,6 +169,7 @@ def unpatch_residuals(model: nn.Module) -> None:
         for module, attr, value in state.switched:
             setattr(module, attr, value)
         del holder.__dict__[_STATE_ATTR]
+        forget_patch_on_config(holder)
 
 
 def get_patch_report(model: nn.Module) -> Optional[PatchReport]:

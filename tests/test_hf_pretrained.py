@@ -1,0 +1,181 @@
+"""save_pretrained / from_pretrained folders of patched transformers models (tiny random-init configs, tmp_path,
+nothing downloaded): the patch travels in the folder and ``lightning_resctl.from_pretrained`` rebuilds it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+import lightning_resctl  # noqa: E402
+from lightning_resctl.surgery.checkpoint import load_tied_state_dict  # noqa: E402
+from lightning_resctl import (  # noqa: E402
+    get_patch_report,
+    load_unpatched_state_dict,
+    merge_sites,
+    patch_from_checkpoint,
+    patch_from_state_dict,
+    patch_residuals,
+    unpatch_residuals,
+)
+
+IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _gpt2():
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def _llama():
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, bos_token_id=0,
+                      eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def _trained(model, method, **options):
+    """``model`` patched with ``method`` and trained two steps, so that no weight (the rule's new ones included)
+    keeps the value a fresh patch would give it."""
+    patch_residuals(model, method=method, example_input=IDS, **options)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(IDS, labels=IDS).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()
+
+
+CASES = [("gpt2", _gpt2, "rescontroller", {}), ("gpt2", _gpt2, "mgr-competitive", {"streams": 2}),
+         ("llama", _llama, "hc", {}), ("llama", _llama, "mgr", {"streams": 2})]
+
+
+@pytest.mark.parametrize("name,make,method,options", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+def test_from_pretrained_rebuilds_the_patched_model_bitwise(tmp_path, name, make, method, options):
+    model = _trained(make(), method, **options)
+    model.save_pretrained(tmp_path)
+    loaded = lightning_resctl.from_pretrained(AutoModelForCausalLM, tmp_path)
+    assert type(loaded) is type(model)
+    assert get_patch_report(loaded).method == method
+    assert len(merge_sites(loaded)) == len(merge_sites(model))
+    assert set(loaded.state_dict()) == set(model.state_dict())
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    assert not loaded.training
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+    # the tie transformers makes is kept (GPT-2 ties lm_head to the token embedding; Llama's config does not)
+    tied = model.config.tie_word_embeddings
+    assert (loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight) == tied
+
+
+def test_save_pretrained_records_the_patch_in_config_json(tmp_path):
+    model = _gpt2()
+    patch_residuals(model, method="mgr-competitive", example_input=IDS, streams=2)
+    model.save_pretrained(tmp_path)
+    note = json.loads((tmp_path / "config.json").read_text())["lightning_resctl"]
+    assert note["method"] == "mgr-competitive"
+    assert note["options"]["streams"] == 2
+    assert note["merges"] == 4
+    assert "lightning_resctl.from_pretrained(AutoModelForCausalLM" in note["load_with"]
+    unpatch_residuals(model)  # the note goes with the patch
+    model.save_pretrained(tmp_path / "plain")
+    assert "lightning_resctl" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+
+
+def test_unpatched_folder_loads_unpatched(tmp_path):
+    model = _gpt2().eval()
+    model.save_pretrained(tmp_path)
+    loaded = lightning_resctl.from_pretrained(AutoModelForCausalLM, tmp_path)
+    assert get_patch_report(loaded) is None and not merge_sites(loaded)
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+
+
+def test_plain_auto_load_of_a_patched_folder_is_the_unpatched_network(tmp_path):
+    """What the docs warn about: transformers alone builds the unpatched class (another network); the folder's
+    config says how to load it."""
+    model = _trained(_gpt2(), "rescontroller")
+    model.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not merge_sites(plain)
+    with torch.no_grad():
+        assert not torch.equal(plain(IDS).logits, model(IDS).logits)
+    assert "lightning_resctl.from_pretrained" in plain.config.lightning_resctl["load_with"]
+    # saved again, the folder has the note but no sites: the loader loads it as saved (unpatched) and says so
+    plain.save_pretrained(tmp_path / "again")
+    with pytest.warns(UserWarning, match="no merge site"):
+        again = lightning_resctl.from_pretrained(AutoModelForCausalLM, tmp_path / "again")
+    assert not merge_sites(again)
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, plain(IDS).logits)
+
+
+def test_loader_keeps_hf_kwargs_and_loading_info(tmp_path):
+    model = _trained(_gpt2(), "rescontroller")
+    model.save_pretrained(tmp_path)
+    loaded, info = lightning_resctl.from_pretrained(AutoModelForCausalLM, tmp_path, dtype=torch.float64,
+                                                    output_loading_info=True)
+    assert loaded.dtype == torch.float64 and get_patch_report(loaded) is not None
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+
+
+def test_loader_rejects_a_class_without_from_pretrained(tmp_path):
+    with pytest.raises(TypeError, match="model_class"):
+        lightning_resctl.from_pretrained(torch.nn.Linear, tmp_path)
+
+
+# ------------------------------------------------------------------ tied weights (state dicts of save_pretrained)
+def test_patch_from_state_dict_loads_a_save_pretrained_state_dict_with_tied_weights(tmp_path):
+    model = _trained(_gpt2(), "mgr-competitive", streams=2)
+    model.save_pretrained(tmp_path)
+    state_dict = load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" not in state_dict  # transformers drops the tied copy
+    fresh = _gpt2()
+    patch_from_state_dict(fresh, state_dict, example_input=IDS)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(IDS).logits, model(IDS).logits)
+
+
+def test_patch_from_state_dict_still_refuses_a_missing_weight_that_is_not_tied(tmp_path):
+    model = _trained(_gpt2(), "rescontroller")
+    model.save_pretrained(tmp_path)
+    state_dict = load_file(tmp_path / "model.safetensors")
+    del state_dict["transformer.ln_f.weight"]
+    with pytest.raises(RuntimeError, match="transformer.ln_f.weight"):
+        patch_from_state_dict(_gpt2(), state_dict, example_input=IDS)
+
+
+def test_patch_from_checkpoint_then_tied_load(tmp_path):
+    model = _trained(_gpt2(), "rescontroller")
+    model.save_pretrained(tmp_path)
+    state_dict = load_file(tmp_path / "model.safetensors")
+    fresh = _gpt2()
+    assert patch_from_checkpoint(fresh, state_dict, example_input=IDS) is not None
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight  # the patch keeps the tie
+    load_tied_state_dict(fresh, state_dict)
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(IDS).logits, model(IDS).logits)
+
+
+def test_load_unpatched_state_dict_accepts_the_tied_weight_left_out(tmp_path):
+    plain = _gpt2().eval()
+    plain.save_pretrained(tmp_path)
+    state_dict = load_file(tmp_path / "model.safetensors")
+    model = _gpt2()
+    patch_residuals(model, method="add", example_input=IDS)
+    load_unpatched_state_dict(model, state_dict)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(IDS).logits, plain(IDS).logits)
