@@ -105,3 +105,74 @@ def test_wrong_forget_bias_shape_still_refused():
     sd[key] = torch.zeros(2)
     with pytest.raises(RuntimeError, match="size mismatch for .*forget_bias"):
         model.load_state_dict(sd)
+
+
+# ---------------------------------------------------------------------------------------------- Lightning
+def _lit_classes():
+    import lightning as L  # noqa: F401  (lightning is a dependency; imported lazily to keep collection light)
+
+    from lightning_resctl import PatchOnLoadMixin
+    from lit_models import LitToy
+
+    class AdamGPT(PatchOnLoadMixin, LitToy):
+        """Adam: per-element optimizer state (exp_avg, exp_avg_sq) for every parameter."""
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    return AdamGPT
+
+
+def _fit(module, steps, root, ckpt_path=None):
+    import lightning as L
+
+    from lightning_resctl import ResidualControlCallback
+    from lit_models import toy_loader
+
+    cb = ResidualControlCallback(method="mgr-competitive", options={"streams": 2, "backend": "torch-eager"},
+                                 depth_images=False, log_every_n_steps=100)
+    trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[cb], default_root_dir=root)
+    trainer.fit(module, toy_loader(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _make_old(ckpt: dict, module) -> dict:
+    """The checkpoint as written before issue 27: forget_bias 0-d in the state dict and in Adam's state."""
+    old = dict(ckpt, state_dict={k: (v.reshape(()) if k.endswith("forget_bias") else v)
+                                 for k, v in ckpt["state_dict"].items()})
+    index = [i for i, (n, _) in enumerate(module.named_parameters()) if n.endswith("forget_bias")]
+    assert index
+    opt = ckpt["optimizer_states"][0]
+    state = {i: ({k: (v.reshape(()) if i in index and k != "step" else v) for k, v in s.items()})
+             for i, s in opt["state"].items()}
+    assert all(state[i]["exp_avg"].dim() == 0 for i in index)
+    old["optimizer_states"] = [dict(opt, state=state)]
+    return old
+
+
+def test_old_lightning_checkpoint_loads_and_resumes(tmp_path):
+    """A training checkpoint written with a 0-d forget_bias (model and Adam state): load_from_checkpoint gives
+    the same network, and a resume trains on to the same weights as a resume from the same checkpoint in
+    today's shape."""
+    AdamGPT = _lit_classes()
+    module = AdamGPT()
+    trainer = _fit(module, 2, tmp_path)
+    new_path, old_path = tmp_path / "new.ckpt", tmp_path / "old.ckpt"
+    trainer.save_checkpoint(new_path)
+    torch.save(_make_old(torch.load(new_path, weights_only=False), module), old_path)
+    x = module.example_input_array
+    loaded = AdamGPT.load_from_checkpoint(old_path)
+    module.eval(), loaded.eval()
+    torch.testing.assert_close(loaded(x), module(x), rtol=0, atol=0)
+    runs = {}
+    for name, path in (("new", new_path), ("old", old_path)):
+        resumed = AdamGPT()
+        _fit(resumed, 4, tmp_path / name, ckpt_path=str(path))
+        runs[name] = {k: v.detach().clone() for k, v in resumed.state_dict().items() if isinstance(v, torch.Tensor)}
+    assert runs["old"].keys() == runs["new"].keys()
+    moved = 0
+    for k in runs["new"]:
+        torch.testing.assert_close(runs["old"][k], runs["new"][k], rtol=0, atol=0, msg=k)
+        moved += k.endswith("forget_bias") and not torch.equal(runs["new"][k], module.state_dict()[k])
+    assert moved  # the resumed steps trained forget_bias with the restored Adam state

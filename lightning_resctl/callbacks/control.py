@@ -164,6 +164,7 @@ class ResidualControlCallback(Callback):
 
     # ------------------------------------------------------------------ steps
     def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        self.patcher.adapt_optimizer_state(trainer, pl_module)
         self.monitor.new_run()
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if not self._enabled or not every:
