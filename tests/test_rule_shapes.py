@@ -123,7 +123,7 @@ def _lit_classes():
     return AdamGPT
 
 
-def _fit(module, steps, root, ckpt_path=None):
+def _fit(module, steps, root, ckpt_path=None, callback=True):
     import lightning as L
 
     from lightning_resctl import ResidualControlCallback
@@ -132,7 +132,7 @@ def _fit(module, steps, root, ckpt_path=None):
     cb = ResidualControlCallback(method="mgr-competitive", options={"streams": 2, "backend": "torch-eager"},
                                  depth_images=False, log_every_n_steps=100)
     trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[cb], default_root_dir=root)
+                        enable_model_summary=False, callbacks=[cb] if callback else [], default_root_dir=root)
     trainer.fit(module, toy_loader(), ckpt_path=ckpt_path)
     return trainer
 
@@ -153,8 +153,8 @@ def _make_old(ckpt: dict, module) -> dict:
 
 def test_old_lightning_checkpoint_loads_and_resumes(tmp_path):
     """A training checkpoint written with a 0-d forget_bias (model and Adam state): load_from_checkpoint gives
-    the same network, and a resume trains on to the same weights as a resume from the same checkpoint in
-    today's shape."""
+    the same network, and a resume (with the callback, or patched by PatchOnLoadMixin alone) trains on to the
+    same weights as a resume from the same checkpoint in today's shape."""
     AdamGPT = _lit_classes()
     module = AdamGPT()
     trainer = _fit(module, 2, tmp_path)
@@ -166,13 +166,14 @@ def test_old_lightning_checkpoint_loads_and_resumes(tmp_path):
     module.eval(), loaded.eval()
     torch.testing.assert_close(loaded(x), module(x), rtol=0, atol=0)
     runs = {}
-    for name, path in (("new", new_path), ("old", old_path)):
+    for name, path, callback in (("new", new_path, True), ("old", old_path, True), ("old-mixin", old_path, False)):
         resumed = AdamGPT()
-        _fit(resumed, 4, tmp_path / name, ckpt_path=str(path))
+        _fit(resumed, 4, tmp_path / name, ckpt_path=str(path), callback=callback)
         runs[name] = {k: v.detach().clone() for k, v in resumed.state_dict().items() if isinstance(v, torch.Tensor)}
-    assert runs["old"].keys() == runs["new"].keys()
+    assert runs["old"].keys() == runs["new"].keys() == runs["old-mixin"].keys()
     moved = 0
     for k in runs["new"]:
         torch.testing.assert_close(runs["old"][k], runs["new"][k], rtol=0, atol=0, msg=k)
+        torch.testing.assert_close(runs["old-mixin"][k], runs["new"][k], rtol=0, atol=0, msg=k)
         moved += k.endswith("forget_bias") and not torch.equal(runs["new"][k], module.state_dict()[k])
     assert moved  # the resumed steps trained forget_bias with the restored Adam state

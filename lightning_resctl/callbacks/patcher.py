@@ -5,7 +5,6 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
 
 from . import _common as C
@@ -126,18 +125,6 @@ class ResidualPatcher:
         else:
             patch_all()
 
-    def adapt_optimizer_state(self, trainer: Any, pl_module: nn.Module) -> None:
-        """Before a resume restores the optimizers (``on_fit_start``): let them take per-element state that a
-        checkpoint holds for a rule parameter in an older shape of the same size (competitive MGR's ``forget_bias``
-        was 0-d, it is (1,)), reshaped to the parameter's shape."""
-        rule_params = {id(p) for site in C._surgery().merge_sites(pl_module)
-                       for m in (site, site.chain_module) if m is not None for p in m.parameters()}
-        if not rule_params:
-            return
-        for optimizer in getattr(trainer, "optimizers", None) or []:
-            if hasattr(optimizer, "register_load_state_dict_post_hook"):
-                optimizer.register_load_state_dict_post_hook(functools.partial(_reshape_state, rule_params))
-
     def teardown(self, pl_module: nn.Module) -> None:
         """Restore ``configure_model`` and remove the observation patch this patcher applied."""
         if self._wrapped_configure and "configure_model" in vars(pl_module):
@@ -148,17 +135,6 @@ class ResidualPatcher:
             if surgery.get_patch_report(pl_module) is not None or surgery.merge_sites(pl_module):
                 surgery.unpatch_residuals(pl_module)
             self.owns_patch = False
-
-
-def _reshape_state(rule_params: set, optimizer: Any) -> None:
-    """Optimizer load post-hook (see :meth:`ResidualPatcher.adapt_optimizer_state`): each state tensor of a rule
-    parameter with the parameter's size but not its shape is reshaped (``step``, torch's scalar counter, stays)."""
-    for p, state in optimizer.state.items():
-        if id(p) not in rule_params:
-            continue
-        for key, value in state.items():
-            if key != "step" and torch.is_tensor(value) and value.shape != p.shape and value.numel() == p.numel():
-                state[key] = value.reshape(p.shape)
 
 
 def _human(n: int) -> str:

@@ -28,7 +28,8 @@ Limits: only additions that ran in the observed forward are patched (Python bran
 seen); MGR refuses models with activation checkpointing enabled (a recomputed block would replay its
 merges); patch before wrapping (DDP/FSDP/``torch.compile``) and unpatch before ``fully_shard``.
 """
-from .checkpoint import PatchOnLoadMixin, load_unpatched_state_dict, patch_from_checkpoint, patch_from_state_dict
+from .checkpoint import (PatchOnLoadMixin, adapt_optimizer_state, load_unpatched_state_dict, patch_from_checkpoint,
+                         patch_from_state_dict)
 from .patch import get_patch_report, merge_sites, patch_residuals, unpatch_residuals
 from .report import ChainInfo, PatchReport, SiteInfo, SkippedInfo
 from .sites import MergeSite
@@ -42,6 +43,7 @@ __all__ = [
     "patch_from_state_dict",
     "patch_from_checkpoint",
     "PatchOnLoadMixin",
+    "adapt_optimizer_state",
     "MergeSite",
     "PatchReport",
     "SiteInfo",
