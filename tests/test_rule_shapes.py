@@ -3,7 +3,8 @@
 FSDP2's ``fully_shard`` refuses 0-d parameters. Every rule's parameters are >= 1-d as built, so a plain
 ``patch_residuals`` then ``fully_shard`` works and the plain and the Lightning path
 (``patch_in_configure_model``) write state dicts that load into each other. Checkpoints written when competitive
-MGR's ``forget_bias`` was 0-d still load (``MGRMerge`` reshapes it on load)."""
+MGR's ``forget_bias`` was 0-d still load (``MGRMerge`` reshapes it on load) and resume with their optimizer state
+(``adapt_optimizer_state``: the callback and ``PatchOnLoadMixin`` run it)."""
 from __future__ import annotations
 
 import os
