@@ -9,8 +9,7 @@ state dict, full tensors) and ``checks_rank{r}.json``.
 
 ``fsdp``: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) on CPU/gloo; the model is
 built in configure_model, patched there by ``patch_in_configure_model(self, self.model)``, then sharded
-with ``fully_shard``. FSDP2's ``fully_shard`` refuses 0-dim parameters, so ``patch_in_configure_model``
-stores competitive gating's ``forget_bias`` as (1,) (``MGRMerge.make_shardable``).
+with ``fully_shard`` (no rule parameter is 0-d, which ``fully_shard`` refuses).
 """
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def test_parameter_names_and_shapes(gating):
         if k >= 3:
             want.update(gate_query=(12,), gate_bias=(4,))
             if gating == "competitive":
-                want["forget_bias"] = ()
+                want["forget_bias"] = (1,)  # 1-d: FSDP2 refuses 0-d parameters
         assert names == want
     assert tuple(chain.output_pool.pool_query.shape) == (12,)
 
@@ -553,17 +553,15 @@ def test_meta_init_then_reset_parameters_is_the_normal_init(gating, streams):
     assert gated and all(m.gate_bias.abs().max() < 10 for m in gated)
 
 
-def test_reset_parameters_restores_init_after_training_and_sharding():
+def test_reset_parameters_restores_init_after_training():
     chain = MGRChain(8, 6, streams=3, gating="competitive")
     init = {k: v.clone() for k, v in chain.state_dict().items()}
     with torch.no_grad():
         for p in chain.parameters():
             p.add_(1.0)
-    for m in chain.merges:
-        m.make_shardable()
     chain.reset_parameters()
     for k, v in chain.state_dict().items():
-        torch.testing.assert_close(v.reshape(init[k].shape), init[k], rtol=0, atol=0)
+        torch.testing.assert_close(v, init[k], rtol=0, atol=0)
     pool = MGRPool(5)
     pool.pool_query.data.fill_(3.0)
     pool.reset_parameters()

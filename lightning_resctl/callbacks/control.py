@@ -8,6 +8,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from ..diagnostics.monitor import ResidualMonitor
+from . import _common as C
 from .patcher import ResidualPatcher, merge_options
 
 __all__ = ["ResidualControlCallback"]
@@ -164,6 +165,7 @@ class ResidualControlCallback(Callback):
 
     # ------------------------------------------------------------------ steps
     def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        C._surgery().adapt_optimizer_state(pl_module, trainer.optimizers)  # before a resume restores them
         self.monitor.new_run()
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if not self._enabled or not every:

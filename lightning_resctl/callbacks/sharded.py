@@ -38,8 +38,8 @@ def patch_in_configure_model(pl_module: nn.Module, model: nn.Module | None = Non
     observes (``method=None`` — observing needs no new parameters and is set up after ``configure_model``).
     Returns the :class:`PatchReport` (or ``None`` when nothing was patched by this call).
 
-    FSDP2 refuses 0-d parameters, so each chain rule's ``make_shardable`` runs here (e.g. competitive MGR's
-    ``forget_bias`` is stored as a (1,) parameter, same name and value).
+    The rules' parameters are the same as :func:`patch_residuals` makes (none is 0-d, which FSDP2 refuses), so
+    state dicts of both ways load into each other.
     """
     from lightning_resctl.surgery import get_patch_report
 
@@ -52,19 +52,12 @@ def patch_in_configure_model(pl_module: nn.Module, model: nn.Module | None = Non
         C.check_method(method, {k: v for k, v in options.items() if k != "example_input"})
         example_input = options.pop("example_input", None)
         C.ensure_patched(target, method, example_input=example_input, method_options=options, example_from=pl_module)
-        return _shardable(get_patch_report(target), target)
+        return get_patch_report(target)
     trainer = getattr(pl_module, "_trainer", None)
     callbacks = [cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, ResidualControlCallback)]
     for cb in callbacks:
         if cb.method is not None:
             cb.patch(pl_module, target)
-            return _shardable(get_patch_report(target), target)
+            return get_patch_report(target)
     return None
 
-
-def _shardable(report, target: nn.Module):
-    """Let each chain rule make its chain modules acceptable to ``fully_shard``."""
-    for site in C._surgery().merge_sites(target):
-        if site.chain_module is not None:
-            site.rule.make_shardable(site.chain_module)
-    return report

@@ -64,8 +64,9 @@ class MGRMerge(nn.Module):
 
     Parameters: ``pool_query`` (C,) — the AttnPool that builds this merge's branch input; gated merges
     (``accumulating`` False, i.e. ``index >= streams - 1``) also ``gate_query`` (C,), ``gate_bias`` (n,) and,
-    for ``gating="competitive"``, ``forget_bias`` (). Queries are zero-initialised; biases come from
-    :func:`mgr_bias_init`.
+    for ``gating="competitive"``, ``forget_bias`` (1,) (the spec's scalar f_l, stored 1-d because FSDP2's
+    ``fully_shard`` refuses 0-d parameters; a state dict holding it 0-d, as written before, still loads).
+    Queries are zero-initialised; biases come from :func:`mgr_bias_init`.
     """
 
     def __init__(self, index: int, dim: int, streams: int, gating: str = "competitive", *,
@@ -79,14 +80,13 @@ class MGRMerge(nn.Module):
             self.gate_query = nn.Parameter(torch.empty(self.dim))
             self.gate_bias = nn.Parameter(torch.empty(self.streams))
             if gating == "competitive":
-                self.forget_bias = nn.Parameter(torch.empty(()))
+                self.forget_bias = nn.Parameter(torch.empty(1))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """The spec init: zero queries, gate biases and forget bias from the depth-aware :attr:`init`.
 
-        Exactly the constructor's values, also after ``to_empty`` (meta-device init) and
-        :meth:`make_shardable`."""
+        Exactly the constructor's values, also after ``to_empty`` (meta-device init)."""
         with torch.no_grad():
             self.pool_query.zero_()
             if self.accumulating:
@@ -100,19 +100,20 @@ class MGRMerge(nn.Module):
     def gate_params(self):
         """``(gate_query, gate_bias, forget_bias or None)``; all None for an accumulating merge.
 
-        ``forget_bias`` is returned 0-d. The parameter itself is 0-d as the spec lists it, or (1,) after
-        :meth:`make_shardable` (FSDP2's ``fully_shard`` refuses 0-d parameters).
+        ``forget_bias`` is returned 0-d (a view of the (1,) parameter).
         """
         if self.accumulating:
             return None, None, None
         forget = getattr(self, "forget_bias", None)
         return self.gate_query, self.gate_bias, None if forget is None else forget.reshape(())
 
-    def make_shardable(self) -> None:
-        """Store a 0-d ``forget_bias`` as a (1,) parameter (same value, same name) so that FSDP2 can shard it."""
-        forget = getattr(self, "forget_bias", None)
-        if forget is not None and forget.dim() == 0:
-            self.forget_bias = nn.Parameter(forget.detach().reshape(1), requires_grad=forget.requires_grad)
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Accept a 0-d ``forget_bias`` (checkpoints written when the parameter was 0-d) as the (1,) parameter."""
+        key = prefix + "forget_bias"
+        value = state_dict.get(key)
+        if isinstance(value, Tensor) and value.dim() == 0 and getattr(self, "forget_bias", None) is not None:
+            state_dict[key] = value.reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         kind = "accumulating" if self.accumulating else f"gating={self.gating}"

@@ -181,8 +181,20 @@ def _pool(chain: AttnResChain, j: int, state: AttnResState) -> tuple[Tensor, Ten
         z.append((p * state.queries[j]).sum(-1, keepdim=True) * _rms(p, chain.eps))
         srcs = srcs + (p,)
     alpha = torch.softmax(torch.cat(z, dim=-1), dim=-1)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (alpha, *srcs))):
+        # nothing to differentiate (no_grad / inference_mode / frozen): the plain sum. Dynamo mis-traces a
+        # setup_context-style Function's forward when no graph is recorded ("'Function' object is not subscriptable").
+        return _depth_mix(alpha, srcs), alpha
     mix = _DepthMix if torch.compiler.is_compiling() else _DepthMixWithJvp  # dynamo does not trace a custom jvp
     return mix.apply(alpha, *srcs), alpha
+
+
+def _depth_mix(alpha: Tensor, sources: Sequence[Tensor]) -> Tensor:
+    """``h = sum_i alpha[..., i] V_i`` (the forward of :class:`_DepthMix`)."""
+    h = sources[0] * alpha[..., 0:1]
+    for i in range(1, len(sources)):
+        h.addcmul_(sources[i], alpha[..., i:i + 1])
+    return h
 
 
 class _DepthMix(torch.autograd.Function):
@@ -197,10 +209,7 @@ class _DepthMix(torch.autograd.Function):
 
     @staticmethod
     def forward(alpha, *sources):
-        h = sources[0] * alpha[..., 0:1]
-        for i in range(1, len(sources)):
-            h.addcmul_(sources[i], alpha[..., i:i + 1])
-        return h
+        return _depth_mix(alpha, sources)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -214,12 +214,6 @@ class ChainRule(MergeRule):
         merges = getattr(chain, "merges", None)
         return merges[position] if merges is not None else chain
 
-    def make_shardable(self, chain: nn.Module) -> None:
-        """Make the chain's parameters acceptable to FSDP2's ``fully_shard`` (e.g. no 0-d parameters)."""
-        for m in chain.modules():
-            if m is not chain and hasattr(m, "make_shardable"):
-                m.make_shardable()
-
 
 # ---------------------------------------------------------------------------------------------- registry
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ Limits: only additions that ran in the observed forward are patched (Python bran
 seen); MGR refuses models with activation checkpointing enabled (a recomputed block would replay its
 merges); patch before wrapping (DDP/FSDP/``torch.compile``) and unpatch before ``fully_shard``.
 """
-from .checkpoint import PatchOnLoadMixin, load_unpatched_state_dict, patch_from_checkpoint, patch_from_state_dict
+from .checkpoint import (PatchOnLoadMixin, adapt_optimizer_state, load_unpatched_state_dict, patch_from_checkpoint,
+                         patch_from_state_dict)
 from .pretrained import from_pretrained
 from .patch import get_patch_report, merge_sites, patch_residuals, unpatch_residuals
 from .report import ChainInfo, PatchReport, SiteInfo, SkippedInfo
@@ -45,6 +46,7 @@ __all__ = [
     "patch_from_checkpoint",
     "PatchOnLoadMixin",
     "from_pretrained",
+    "adapt_optimizer_state",
     "MergeSite",
     "PatchReport",
     "SiteInfo",

@@ -15,16 +15,19 @@ computes): the recorded one is used where it can run, else ``"auto"``, with a wa
 """
 from __future__ import annotations
 
+import functools
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
+import torch
 from torch import nn
 
 from .._triton import triton_available
 from .patch import _SITE_PREFIX, get_patch_report, merge_sites, patch_residuals
 from .report import PatchReport
 
-__all__ = ["load_unpatched_state_dict", "patch_from_state_dict", "patch_from_checkpoint", "PatchOnLoadMixin"]
+__all__ = ["load_unpatched_state_dict", "patch_from_state_dict", "patch_from_checkpoint", "PatchOnLoadMixin",
+           "adapt_optimizer_state"]
 
 _SUFFIX = "._extra_state"
 _PATCH_ARGS = ("include", "exclude", "allow_empty")  # passed to patch_residuals; other keywords are rule options
@@ -200,8 +203,9 @@ class PatchOnLoadMixin:
     Its ``on_load_checkpoint`` re-applies the patch recorded in the checkpoint (:func:`patch_from_checkpoint`)
     before Lightning loads the state dict; a module patched already (the callback patches in ``setup``, before
     a resume restores the checkpoint) is left as it is. The patch runs one forward on ``example_input_array``
-    (set it in ``__init__``). A module that overrides ``on_load_checkpoint`` calls
-    ``super().on_load_checkpoint(checkpoint)`` first.
+    (set it in ``__init__``). Its ``on_fit_start`` lets the optimizers take older checkpoints' state
+    (:func:`adapt_optimizer_state`). A module that overrides ``on_load_checkpoint`` or ``on_fit_start`` calls
+    ``super().on_load_checkpoint(checkpoint)`` / ``super().on_fit_start()`` first.
     """
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -209,3 +213,34 @@ class PatchOnLoadMixin:
         parent = getattr(super(), "on_load_checkpoint", None)
         if parent is not None:
             parent(checkpoint)
+
+    def on_fit_start(self) -> None:
+        """Before a resume restores the optimizers: :func:`adapt_optimizer_state` (a module that overrides
+        ``on_fit_start`` calls ``super().on_fit_start()``)."""
+        adapt_optimizer_state(self, self.trainer.optimizers)
+        parent = getattr(super(), "on_fit_start", None)
+        if parent is not None:
+            parent()
+
+
+def adapt_optimizer_state(model: nn.Module, optimizers: Iterable[Any]) -> None:
+    """Let ``optimizers`` load a state that holds a rule parameter's per-element state (Adam's moments, momentum)
+    in an older shape of the same size: checkpoints written when competitive MGR's ``forget_bias`` was 0-d (it is
+    (1,), which FSDP2 can shard). Registers a ``load_state_dict`` post-hook on each optimizer that reshapes such
+    state to the parameter's shape (``step``, torch's scalar counter, stays). Call it after building the
+    optimizers and before loading their state; :class:`ResidualControlCallback` and :class:`PatchOnLoadMixin` do
+    (``on_fit_start``, before Lightning restores a checkpoint's optimizer states)."""
+    rule_params = {id(p) for site in merge_sites(model)
+                   for m in (site, site.chain_module) if m is not None for p in m.parameters()}
+    if rule_params:
+        for optimizer in optimizers or []:
+            optimizer.register_load_state_dict_post_hook(functools.partial(_reshape_state, rule_params))
+
+
+def _reshape_state(rule_params: set, optimizer: Any) -> None:
+    for p, state in optimizer.state.items():
+        if id(p) in rule_params:
+            for key, value in state.items():
+                if key != "step" and torch.is_tensor(value) and value.shape != p.shape \
+                        and value.numel() == p.numel():
+                    state[key] = value.reshape(p.shape)
