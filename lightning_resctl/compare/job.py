@@ -23,11 +23,13 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import seed_everything
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .cost import autocast_for, measure_cost, resolve_device
 from .fairness import InitProbe, RefusedError, init_difference
 from .methods import PLAIN
 from .options import CompareOptions
+from .preemption import EXIT_SIGTERM, JobStopped, sigterm_stops_job
 from .progress import JobProgress, ProgressCallback
 from .records import JobFolder, planned_runs
 from .run import train_run
@@ -48,12 +50,14 @@ class JobInputs:
         make_trainer_kwargs: returns the user's Trainer arguments (fresh callback / logger objects every call).
         identity: the model, data and Trainer settings as JSON-able values (part of the job's fingerprint); a
             ``"model": None`` entry is filled from the first seed's model (:func:`module_identity`).
+        resume: how to resume the job, said when it stops on SIGTERM (the command line gives its exact command).
     """
 
     make_model: Callable[[], L.LightningModule]
     make_datamodule: Callable[[], L.LightningDataModule | None]
     make_trainer_kwargs: Callable[[], dict[str, Any]]
     identity: dict[str, Any]
+    resume: str = "call lightning_resctl.compare again with the same arguments and resume=True"
 
 
 def stable(value: Any) -> Any:
@@ -283,18 +287,36 @@ class _Job:
         say(f"[resctl] methods {', '.join(self.methods)}; seeds {self.seeds}; "
             + (f"shard {opts.shard}: " if opts.shard else "") + f"{len(runs)} runs"
             + (f", {len(runs) - len(todo)} finished already (resume)" if len(todo) < len(runs) else ""))
-        cost = self.cost(progress) if rank_zero else None
-        with _warnings_once():
-            for index, (method, seed) in enumerate(todo, 1):
-                record = self.one(index, method, seed, progress)
-                if rank_zero:
-                    self.folder.write_record(record)
-                if record["status"] == "done":
-                    say(f"[resctl] run {index}/{len(todo)} done: {method}, seed {seed}: {record['monitor']} "
-                        f"{record['final']:.4f}, {record['wall_s']:.1f} s"
-                        + (" (resumed from its checkpoint)" if record["resumed"] else ""))
-                else:
-                    say(f"[resctl] run {index}/{len(todo)}: method {method} {record['status']}: {record['reason']}")
+        running = None  # (index, method, seed) of the run in progress
+        try:
+            cost = self.cost(progress) if rank_zero else None
+            with _warnings_once():
+                for index, (method, seed) in enumerate(todo, 1):
+                    running = (index, method, seed)
+                    record = self.one(index, method, seed, progress)
+                    if rank_zero:
+                        self.folder.write_record(record)
+                    running = None
+                    if record["status"] == "done":
+                        say(f"[resctl] run {index}/{len(todo)} done: {method}, seed {seed}: {record['monitor']} "
+                            f"{record['final']:.4f}, {record['wall_s']:.1f} s"
+                            + (" (resumed from its checkpoint)" if record["resumed"] else ""))
+                    else:
+                        say(f"[resctl] run {index}/{len(todo)}: method {method} {record['status']}: "
+                            f"{record['reason']}")
+        except SIGTERMException:
+            progress.close()
+            finished = sum(self.folder.read_record(m, s) is not None for m, s in runs)
+            where = "between runs"
+            if running is not None:
+                index, method, seed = running
+                saved = self.folder.checkpoint(method, seed)
+                where = f"in run {index}/{len(todo)} ({method}, seed {seed}), " + (
+                    f"which is saved in {saved}" if saved.is_file() else "which starts over when resumed")
+            say(f"[resctl] SIGTERM: the job stopped {where}; {finished} of {len(runs)} runs finished; exit status "
+                f"{EXIT_SIGTERM}")
+            say(f"[resctl] resume with: {self.inputs.resume}")
+            raise JobStopped(self.inputs.resume) from None
         progress.close()
         if not rank_zero:
             return SummaryTable([], "", {}, self.folder.path)
@@ -334,12 +356,16 @@ class _Job:
 
 def run_job(inputs: JobInputs, opts: CompareOptions) -> SummaryTable:
     """Run (or resume, or run one shard of) the comparison described by ``inputs`` and ``opts``; write the output
-    folder; return the summary table. See :func:`lightning_resctl.compare` for what is compared and how."""
+    folder; return the summary table. See :func:`lightning_resctl.compare` for what is compared and how.
+
+    On SIGTERM the run in progress saves its checkpoint, the job says how to resume (``inputs.resume``) and raises
+    :class:`~.preemption.JobStopped` (a ``SystemExit`` with status 143)."""
     opts.validate()
     threads = torch.get_num_threads()
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
     try:
-        return _Job(inputs, opts).run()
+        with sigterm_stops_job():
+            return _Job(inputs, opts).run()
     finally:
         torch.set_num_threads(threads)
