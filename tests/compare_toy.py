@@ -101,18 +101,22 @@ class KillOnce(Callback):
 class TermOnce(Callback):
     """Send this process SIGTERM once (``marker`` remembers it) in its ``run``-th fit: during the training step that
     makes ``global_step`` reach ``step`` (``where="train"``), during the first batch of the validation at ``step``
-    (``where="validation"``; the validation must have more batches, so that the signal comes mid-way), or in
-    ``on_train_epoch_end`` of the epoch that ends at ``step`` (``where="epoch_end"``)."""
+    (``where="validation"``; the validation must have more batches, so that the signal comes mid-way), in
+    ``on_train_epoch_end`` of the epoch that ends at ``step`` (``where="epoch_end"``), or in the fit's ``setup``,
+    before Lightning installs its SIGTERM handler (``where="setup"``)."""
 
     fits = 0
 
     def __init__(self, step: int, marker: str, run: int = 1, where: str = "train"):
-        if where not in ("train", "validation", "epoch_end"):
-            raise ValueError(f"where must be 'train', 'validation' or 'epoch_end', got {where!r}")
+        if where not in ("train", "validation", "epoch_end", "setup"):
+            raise ValueError(f"where must be 'train', 'validation', 'epoch_end' or 'setup', got {where!r}")
         self.step, self.marker, self.run, self.where = step, Path(marker), run, where
 
-    def on_fit_start(self, trainer, pl_module):
-        TermOnce.fits += 1
+    def setup(self, trainer, pl_module, stage):
+        if stage == "fit":
+            TermOnce.fits += 1
+            if self.where == "setup" and TermOnce.fits == self.run and not self.marker.exists():
+                self._term()
 
     def _term(self):
         self.marker.write_text("terminated")

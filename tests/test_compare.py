@@ -188,13 +188,14 @@ def test_a_killed_job_resumes_to_the_numbers_of_a_straight_job(straight, tmp_pat
     assert "| mgr-competitive | 0 |" in md and "| yes |" in md
 
 
-@pytest.mark.parametrize("where, step", [("train", 6), ("validation", 8), ("epoch_end", 10)])
+@pytest.mark.parametrize("where, step", [("train", 6), ("validation", 8), ("epoch_end", 10), ("setup", 0)])
 def test_a_sigterm_job_saves_its_run_says_how_to_resume_and_exits_143(straight, tmp_path, where, step):
     """SIGTERM (a cluster's notice before pre-empting) during a training step, mid-way through a validation, or at
     the end of an epoch (10 batches) of the second run, long before its next periodic checkpoint: the run saves its
     checkpoint at once (at that step's end, at that validation's end, at the epoch's end), the job prints one line
     with the command that resumes it and exits 143 (a scheduler reads 0 as success); that command, run as printed,
-    ends with every number of the uninterrupted job."""
+    ends with every number of the uninterrupted job. In the fit's setup (before Lightning handles SIGTERM) there is
+    nothing to save: the job stops at once and the run starts over."""
     marker = tmp_path / "terminated"
     config = _yaml(tmp_path / "job.yaml", checkpoint_every_min=60,
                    callbacks=[{"class_path": "compare_toy.TermOnce",
@@ -206,8 +207,11 @@ def test_a_sigterm_job_saves_its_run_says_how_to_resume_and_exits_143(straight, 
                            str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert marker.exists() and set(_runs(out)) == {("plain", 0)}
-    checkpoint = torch.load(out / "runs" / "mgr-competitive_seed0" / "last.ckpt", weights_only=False)
-    assert checkpoint["global_step"] == step  # saved on the signal, not by the periodic checkpoint (60 min)
+    saved = out / "runs" / "mgr-competitive_seed0" / "last.ckpt"
+    if where == "setup":
+        assert not saved.exists()
+    else:  # saved on the signal, not by the periodic checkpoint (60 min)
+        assert torch.load(saved, weights_only=False)["global_step"] == step
     hints = [line for line in (proc.stdout + proc.stderr).splitlines() if "--resume" in line]
     assert len(hints) == 1, proc.stdout[-3000:]
     command = shlex.split(hints[0].split("resume with: ", 1)[1])
@@ -218,7 +222,7 @@ def test_a_sigterm_job_saves_its_run_says_how_to_resume_and_exits_143(straight, 
     for key, run in resumed.items():
         for field in ("final", "curve", "train_curve", "ablation_loss_increase", "init_fingerprint"):
             assert run[field] == reference[key][field], (key, field)
-        assert run["resumed"] == (key == ("mgr-competitive", 0))
+        assert run["resumed"] == (key == ("mgr-competitive", 0) and where != "setup")
 
 
 _API_SCRIPT = """

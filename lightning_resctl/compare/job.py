@@ -253,6 +253,35 @@ class _Job:
 
     # ------------------------------------------------------------------ the job
     def run(self) -> SummaryTable:
+        """The job (see :func:`run_job`); on SIGTERM anywhere in it, :meth:`stopped`."""
+        self._runs: list[tuple[str, int]] = []
+        self._todo: list[tuple[str, int]] = []
+        self._running: tuple[int, str, int] | None = None  # (index, method, seed) of the run in progress
+        self._progress: JobProgress | None = None
+        try:
+            return self._run()
+        except SIGTERMException:
+            self.stopped()
+
+    def stopped(self) -> None:
+        """Say where the job stopped and how to resume it (rank zero), and raise :class:`JobStopped`."""
+        if self._progress is not None:
+            self._progress.close()
+        if _is_rank_zero():
+            runs = self._runs
+            finished = sum(self.folder.read_record(m, s) is not None for m, s in runs)
+            where = "between runs" if runs else "before its first run"
+            if self._running is not None:
+                index, method, seed = self._running
+                saved = self.folder.checkpoint(method, seed)
+                where = f"in run {index}/{len(self._todo)} ({method}, seed {seed}), " + (
+                    f"which is saved in {saved}" if saved.is_file() else "which starts over when resumed")
+            done = f"; {finished} of {len(runs)} runs finished" if runs else ""
+            print(f"[resctl] SIGTERM: the job stopped {where}{done}; exit status {EXIT_SIGTERM}", flush=True)
+            print(f"[resctl] resume with: {self.inputs.resume}", flush=True)
+        raise JobStopped(self.inputs.resume) from None
+
+    def _run(self) -> SummaryTable:
         opts = self.opts
         started = time.perf_counter()
         identity = {**self.inputs.identity, "compare": opts.identity()}
@@ -261,10 +290,10 @@ class _Job:
         rank_zero = _is_rank_zero()  # under a multi-process strategy every rank runs the job; rank zero writes
         if rank_zero:
             self.folder.prepare(identity, opts.shard, overwrite=opts.overwrite, resume=opts.resume)
-        runs = planned_runs(self.methods, self.seeds, opts.shard_pair())
-        todo = [(m, s) for m, s in runs if self.folder.read_record(m, s) is None]
+        runs = self._runs = planned_runs(self.methods, self.seeds, opts.shard_pair())
+        todo = self._todo = [(m, s) for m, s in runs if self.folder.read_record(m, s) is None]
         max_steps = int(self.trainer_kwargs.get("max_steps") or -1)
-        progress = JobProgress(len(todo), max(max_steps, 0), enabled=opts.progress_bar and rank_zero)
+        progress = self._progress = JobProgress(len(todo), max(max_steps, 0), enabled=opts.progress_bar and rank_zero)
         progress.start()
 
         def say(text: str) -> None:
@@ -287,36 +316,20 @@ class _Job:
         say(f"[resctl] methods {', '.join(self.methods)}; seeds {self.seeds}; "
             + (f"shard {opts.shard}: " if opts.shard else "") + f"{len(runs)} runs"
             + (f", {len(runs) - len(todo)} finished already (resume)" if len(todo) < len(runs) else ""))
-        running = None  # (index, method, seed) of the run in progress
-        try:
-            cost = self.cost(progress) if rank_zero else None
-            with _warnings_once():
-                for index, (method, seed) in enumerate(todo, 1):
-                    running = (index, method, seed)
-                    record = self.one(index, method, seed, progress)
-                    if rank_zero:
-                        self.folder.write_record(record)
-                    running = None
-                    if record["status"] == "done":
-                        say(f"[resctl] run {index}/{len(todo)} done: {method}, seed {seed}: {record['monitor']} "
-                            f"{record['final']:.4f}, {record['wall_s']:.1f} s"
-                            + (" (resumed from its checkpoint)" if record["resumed"] else ""))
-                    else:
-                        say(f"[resctl] run {index}/{len(todo)}: method {method} {record['status']}: "
-                            f"{record['reason']}")
-        except SIGTERMException:
-            progress.close()
-            finished = sum(self.folder.read_record(m, s) is not None for m, s in runs)
-            where = "between runs"
-            if running is not None:
-                index, method, seed = running
-                saved = self.folder.checkpoint(method, seed)
-                where = f"in run {index}/{len(todo)} ({method}, seed {seed}), " + (
-                    f"which is saved in {saved}" if saved.is_file() else "which starts over when resumed")
-            say(f"[resctl] SIGTERM: the job stopped {where}; {finished} of {len(runs)} runs finished; exit status "
-                f"{EXIT_SIGTERM}")
-            say(f"[resctl] resume with: {self.inputs.resume}")
-            raise JobStopped(self.inputs.resume) from None
+        cost = self.cost(progress) if rank_zero else None
+        with _warnings_once():
+            for index, (method, seed) in enumerate(todo, 1):
+                self._running = (index, method, seed)
+                record = self.one(index, method, seed, progress)
+                if rank_zero:
+                    self.folder.write_record(record)
+                self._running = None
+                if record["status"] == "done":
+                    say(f"[resctl] run {index}/{len(todo)} done: {method}, seed {seed}: {record['monitor']} "
+                        f"{record['final']:.4f}, {record['wall_s']:.1f} s"
+                        + (" (resumed from its checkpoint)" if record["resumed"] else ""))
+                else:
+                    say(f"[resctl] run {index}/{len(todo)}: method {method} {record['status']}: {record['reason']}")
         progress.close()
         if not rank_zero:
             return SummaryTable([], "", {}, self.folder.path)

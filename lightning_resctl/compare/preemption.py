@@ -65,7 +65,9 @@ class SigtermCheckpoint(Callback):
             connector.received_sigterm, self._deferred = True, False
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if not isinstance(exception, SIGTERMException) or trainer.validating or trainer.sanity_checking:
+        if not isinstance(exception, SIGTERMException) or not trainer.received_sigterm:
+            return  # not Lightning's stop (e.g. sigterm_stops_job's, while the fit was still being set up)
+        if trainer.validating or trainer.sanity_checking:
             return  # mid-validation (a Lightning that stops there): the run resumes from its last checkpoint
         epoch_loop = trainer.fit_loop.epoch_loop
         if between_epochs(trainer) and not epoch_loop.restarting:
