@@ -44,6 +44,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--gain", type=float, default=2.0, help="init scale of each branch's output layer")
     args = parser.parse_args(argv)
+    for name in ("depth", "dim"):
+        if getattr(args, name) < 1:
+            parser.error(f"argument --{name}: expected a positive integer, got {getattr(args, name)}")
 
     torch.manual_seed(0)
     branches = nn.ModuleList([Branch(args.dim, args.gain) for _ in range(args.depth)])

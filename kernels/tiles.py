@@ -1,10 +1,17 @@
 """The launch table of every kernel: tile shapes and warps keyed on (C, n, dtype), in one place.
 
 Chosen from the ahead-of-time compile of every variant for sm_80 and sm_90 (``python
-benchmarks/kernels_aot.py``: registers, spills, shared memory, theoretical occupancy): no variant spills and
-every one keeps >= 25 % theoretical occupancy. The same numbers run under the Triton interpreter (only the warps
-differ there), so the interpreter tests exercise the tiles the GPU runs; tests shrink the limits below to reach
-every loop path on small shapes.
+benchmarks/kernels_aot.py``: registers, spills, shared memory, theoretical occupancy): no fp32, bf16 or fp16
+variant spills and every one keeps >= 25 % theoretical occupancy.
+
+**fp64 runs are for tests only** (the comparisons with the fp64 oracles). fp64 launches take fp32's limits
+(ResController's table is one for every dtype; MGR's 8-byte elements use its 4-byte entries), which assume
+4-byte values; with two registers per value they spill: in the AOT compile of C in the
+benchmark grid, n in {2, 8}, every MGR kind, sm_80 and sm_90, 132 of 252 fp64 variants spill (81216 bytes):
+ResController backward at every C and forward at C = 8192-16384, MGR backward at n = 8 (and gated n = 2 at
+C = 256-2048), MGR forward from C = 768 (n = 8) or 4096 (n = 2). They compile, keep >= 25 % occupancy and
+compute correctly, only slower than fp64 limits of their own would; ``benchmarks/kernels_aot.py`` compiles fp64
+and sums its spills apart.
 
 Warps follow from elements per thread: a program gets ``tile elements / (32 * thread elements)`` warps (a power
 of two, at most 32), so each thread holds a fixed share of every tile (for ResController 16 bytes of each

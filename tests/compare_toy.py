@@ -4,7 +4,8 @@
 right); it logs ``val_loss`` and returns its loss. ``ToyData``: a fixed token corpus (a deterministic mix of
 repeating patterns, so the loss falls), a shuffled training loader (``shuffle=True``: the order follows the global
 seed) and a plain validation loader. ``KillOnce``: a callback that kills the process with SIGKILL at a given
-step of a given run of the process, once (a marker file remembers it), to test ``--resume``. ``BatchLog``: appends
+step of a given run of the process, once (a marker file remembers it), to test ``--resume``; ``TermOnce``: the same
+with SIGTERM (what a cluster sends before pre-empting), during a training step or a validation. ``BatchLog``: appends
 every training batch's fingerprint to a file, one line per step (run index in the process, step, digest).
 """
 from __future__ import annotations
@@ -95,6 +96,47 @@ class KillOnce(Callback):
         if KillOnce.fits == self.run and trainer.global_step == self.step and not self.marker.exists():
             self.marker.write_text("killed")
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TermOnce(Callback):
+    """Send this process SIGTERM once (``marker`` remembers it) in its ``run``-th fit: during the training step that
+    makes ``global_step`` reach ``step`` (``where="train"``), during the first batch of the validation at ``step``
+    (``where="validation"``; the validation must have more batches, so that the signal comes mid-way), in
+    ``on_train_epoch_end`` of the epoch that ends at ``step`` (``where="epoch_end"``), or in the fit's ``setup``,
+    before Lightning installs its SIGTERM handler (``where="setup"``)."""
+
+    fits = 0
+
+    def __init__(self, step: int, marker: str, run: int = 1, where: str = "train"):
+        if where not in ("train", "validation", "epoch_end", "setup"):
+            raise ValueError(f"where must be 'train', 'validation', 'epoch_end' or 'setup', got {where!r}")
+        self.step, self.marker, self.run, self.where = step, Path(marker), run, where
+
+    def setup(self, trainer, pl_module, stage):
+        if stage == "fit":
+            TermOnce.fits += 1
+            if self.where == "setup" and TermOnce.fits == self.run and not self.marker.exists():
+                self._term()
+
+    def _term(self):
+        self.marker.write_text("terminated")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if (self.where == "train" and TermOnce.fits == self.run and trainer.global_step == self.step - 1
+                and not self.marker.exists()):
+            self._term()
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if (self.where == "validation" and TermOnce.fits == self.run and not trainer.sanity_checking
+                and trainer.global_step == self.step and batch_idx == 0 and not self.marker.exists()):
+            self._term()
+
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if (self.where == "epoch_end" and TermOnce.fits == self.run and trainer.global_step == self.step
+                and not self.marker.exists()):
+            self._term()
 
 
 class BatchLog(Callback):

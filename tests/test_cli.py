@@ -117,6 +117,29 @@ def test_compare_flags_and_their_yaml_section_are_one_option(tmp_path):
     assert options.compare_options().options == {"mgr-competitive": {"streams": 8}}
 
 
+@pytest.mark.parametrize("args", [
+    ["--methods", "plain,mgr-competitive", "--seeds", "3", "--out", "runs/a b"],
+    ["--methods", "plain,mgr-competitive", "--overwrite", "--seeds", "3", "--out", "runs/a b"],
+    ["--overwrite", "true", "--methods", "plain,mgr-competitive", "--seeds", "3", "--out", "runs/a b"],
+    ["--compare.overwrite=true", "--methods", "plain,mgr-competitive", "--seeds", "3", "--out", "runs/a b"],
+    ["--config", "{config}", "--out", "runs/a b"],  # overwrite: true in the config file
+])
+def test_the_resume_command_a_stopped_job_prints_parses_to_the_same_job_with_resume(args, tmp_path):
+    import shlex
+
+    config = tmp_path / "c.yaml"
+    config.write_text("compare:\n  methods: plain,mgr-competitive\n  seeds: 3\n  overwrite: true\n")
+    args = [a.replace("{config}", str(config)) for a in args]
+    parsed = _parse(*args)
+    command = shlex.split(cli.resume_command(args, parsed.compare_options()))
+    assert command[:2] == ["lightning-resctl", "compare"]  # how this process was started (pytest): the script
+    again = _parse(*command[2:])
+    original, resumed = parsed.compare_options(), again.compare_options()
+    assert resumed.resume and not resumed.overwrite
+    assert resumed.identity() == original.identity() and resumed.out == original.out == "runs/a b"
+    assert cli.resume_command(command[2:], resumed) == shlex.join(command)  # resuming again: the same command
+
+
 @pytest.mark.parametrize("args, message", [
     (["--methods", "plain,resnet"], "unknown method(s) ['resnet']"),
     (["--shard", "3/2"], "shard must be 'I/N' with integers 1 <= I <= N, got '3/2'"),

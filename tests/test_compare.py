@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -185,6 +186,92 @@ def test_a_killed_job_resumes_to_the_numbers_of_a_straight_job(straight, tmp_pat
     assert not (out / "runs" / "mgr-competitive_seed0").exists()
     md = (out / "summary.md").read_text()
     assert "| mgr-competitive | 0 |" in md and "| yes |" in md
+
+
+@pytest.mark.parametrize("where, step", [("train", 6), ("validation", 8), ("epoch_end", 10), ("setup", 0)])
+def test_a_sigterm_job_saves_its_run_says_how_to_resume_and_exits_143(straight, tmp_path, where, step):
+    """SIGTERM (a cluster's notice before pre-empting) during a training step, mid-way through a validation, or at
+    the end of an epoch (10 batches) of the second run, long before its next periodic checkpoint: the run saves its
+    checkpoint at once (at that step's end, at that validation's end, at the epoch's end), the job prints one line
+    with the command that resumes it and exits 143 (a scheduler reads 0 as success); that command, run as printed,
+    ends with every number of the uninterrupted job. In the fit's setup (before Lightning handles SIGTERM) there is
+    nothing to save: the job stops at once and the run starts over."""
+    marker = tmp_path / "terminated"
+    config = _yaml(tmp_path / "job.yaml", checkpoint_every_min=60,
+                   callbacks=[{"class_path": "compare_toy.TermOnce",
+                               "init_args": {"step": step, "marker": str(marker), "run": 2, "where": where}}])
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "LIGHTNING_RESCTL_COMPILE": "0"}
+    proc = subprocess.run([sys.executable, "-m", "lightning_resctl", "compare", "--config", str(config), "--out",
+                           str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert marker.exists() and set(_runs(out)) == {("plain", 0)}
+    saved = out / "runs" / "mgr-competitive_seed0" / "last.ckpt"
+    if where == "setup":
+        assert not saved.exists()
+    else:  # saved on the signal, not by the periodic checkpoint (60 min)
+        assert torch.load(saved, weights_only=False)["global_step"] == step
+    hints = [line for line in (proc.stdout + proc.stderr).splitlines() if "--resume" in line]
+    assert len(hints) == 1, proc.stdout[-3000:]
+    command = shlex.split(hints[0].split("resume with: ", 1)[1])
+    assert command[:3] == ["python", "-m", "lightning_resctl"] and command[3] == "compare"
+    assert cli.main(command[4:]) == 0
+    resumed, reference = _runs(out), _runs(straight[0])
+    assert set(resumed) == set(reference)
+    for key, run in resumed.items():
+        for field in ("final", "curve", "train_curve", "ablation_loss_increase", "init_fingerprint"):
+            assert run[field] == reference[key][field], (key, field)
+        assert run["resumed"] == (key == ("mgr-competitive", 0) and where != "setup")
+
+
+_API_SCRIPT = """
+import os, signal, sys
+import lightning_resctl
+from compare_toy import ToyData, ToyLM
+
+marker, out, resume, trainer = sys.argv[1], sys.argv[2], sys.argv[3] == "resume", eval(sys.argv[4])
+built = []
+
+
+def model():  # called once per seed, outside any fit: the second call comes between seed 0's and seed 1's runs
+    built.append(1)
+    if len(built) == 2 and not os.path.exists(marker):
+        open(marker, "w").write("terminated")
+        os.kill(os.getpid(), signal.SIGTERM)
+    return ToyLM(dim=16, depth=3)
+
+
+lightning_resctl.compare(model=model, datamodule=ToyData(train_size=80), methods=["plain", "mgr-competitive"],
+                         seeds=2, trainer=trainer, out=out, resume=resume, cost_rounds=0, threads=1,
+                         depth_images=False, progress_bar=False)
+"""
+
+
+def test_a_sigterm_between_runs_stops_an_api_job_with_143_and_resume_finishes_it(straight, tmp_path):
+    """SIGTERM outside a fit (between runs, where Lightning's handler is not installed) of a job started by the
+    Python API: the job says how to resume and the process exits 143 (not killed by the signal, not 0); the same call
+    with resume=True keeps the finished runs and ends with the numbers of the uninterrupted job."""
+    script, marker, out = tmp_path / "job.py", tmp_path / "terminated", tmp_path / "out"
+    script.write_text(_API_SCRIPT)
+    trainer = repr({**TRAINER, "devices": 1, "num_sanity_val_steps": 0, "enable_model_summary": False})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "LIGHTNING_RESCTL_COMPILE": "0"}
+    proc = subprocess.run([sys.executable, str(script), str(marker), str(out), "new", trainer], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert marker.exists() and set(_runs(out)) == {("plain", 0), ("mgr-competitive", 0)}
+    hints = [line for line in proc.stdout.splitlines() if "resume with" in line]
+    assert len(hints) == 1 and "resume=True" in hints[0], proc.stdout[-3000:]
+    assert "SIGTERM" in proc.stdout and "2 of 4 runs finished" in proc.stdout
+    proc = subprocess.run([sys.executable, str(script), str(marker), str(out), "resume", trainer], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed, reference = _runs(out), _runs(straight[0])
+    assert set(resumed) == {(m, s) for m in ("plain", "mgr-competitive") for s in (0, 1)}
+    for key, run in resumed.items():
+        for field in ("final", "curve", "train_curve", "init_fingerprint"):
+            assert run[field] == reference[key][field], (key, field)
 
 
 def test_two_shards_merged_equal_one_job(straight, tmp_path):

@@ -30,6 +30,7 @@ Modules, one job each:
 * :mod:`.fairness` — how far each method starts from plain at init;
 * :mod:`.cost` — the interleaved "cost vs plain" measurement;
 * :mod:`.records` — the output folder, run records, merging folders;
+* :mod:`.preemption` — SIGTERM: the run in progress saves its checkpoint, the job says how to resume, exit 143;
 * :mod:`.stats`, :mod:`.summary`, :mod:`.plots` — paired statistics, verdicts, ``summary.md`` and plots;
 * :mod:`.progress` — the job's single progress line with its ETA;
 * :mod:`.gpt`, :mod:`.data` — the built-in model and data.

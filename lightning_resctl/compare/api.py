@@ -66,6 +66,11 @@ def compare(model: Any = None, datamodule: Any = None, *, methods: Sequence[str]
     Returns:
         :class:`~lightning_resctl.compare.summary.SummaryTable`: one row per method (``table["rescontroller"]``,
         ``table.to_pandas()``); the same numbers are in ``out/summary.json``.
+
+    Raises:
+        lightning_resctl.compare.preemption.JobStopped: on SIGTERM, after the run in progress saved its checkpoint
+            and the job printed how to resume (this call again with ``resume=True``); a ``SystemExit`` whose
+            status, 143, is what the process exits with unless it is caught.
     """
     from .job import JobInputs, module_identity, run_job, stable
     from .options import CompareOptions

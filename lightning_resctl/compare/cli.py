@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import textwrap
 import typing
@@ -24,8 +25,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from . import job
 from .methods import PRESETS, available_methods
 from .options import HELP, CompareOptions
+from .preemption import JobStopped
 
-__all__ = ["CompareCLI", "main", "summarize_main", "TRAINER_DEFAULTS", "PROG"]
+__all__ = ["CompareCLI", "main", "summarize_main", "resume_command", "TRAINER_DEFAULTS", "PROG"]
 
 PROG = "lightning-resctl compare"
 
@@ -167,14 +169,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``lightning-resctl compare [flags]`` (``python -m lightning_resctl compare``): returns the exit status."""
     from .records import JobMismatchError, OutputExistsError
 
-    cli = CompareCLI(list(argv) if argv is not None else None)
+    args = list(sys.argv[1:] if argv is None else argv)
+    cli = CompareCLI(args)
     opts = cli.compare_options()
+    inputs = cli.job_inputs()
+    inputs.resume = resume_command(args, opts)
     try:
-        job.run_job(cli.job_inputs(), opts)
+        job.run_job(inputs, opts)
     except (OutputExistsError, JobMismatchError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+    except JobStopped as stopped:
+        return stopped.code
     return 0
+
+
+def _program() -> str:
+    """How this process was started: ``python -m lightning_resctl compare``, ``python -m lightning_resctl.compare``
+    or (the installed script, and the default) ``lightning-resctl compare``."""
+    main_file = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if main_file is not None and main_file.name == "__main__.py":
+        package = main_file.parent
+        if package.name == "lightning_resctl":
+            return "python -m lightning_resctl compare"
+        if package.name == "compare" and package.parent.name == "lightning_resctl":
+            return "python -m lightning_resctl.compare"
+    return PROG
+
+
+def resume_command(args: Sequence[str], opts: CompareOptions) -> str:
+    """The command that resumes the job started with ``args`` (parsed to ``opts``): the same flags, then
+    ``--overwrite false`` when the job overwrote (it would delete what is resumed) and ``--resume``."""
+    tail = (["--overwrite", "false"] if opts.overwrite else []) + ([] if opts.resume else ["--resume"])
+    return f"{_program()} {shlex.join([*args, *tail])}".strip()
 
 
 def summarize_main(argv: Sequence[str] | None = None) -> int:

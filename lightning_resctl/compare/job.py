@@ -23,11 +23,13 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import seed_everything
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .cost import autocast_for, measure_cost, resolve_device
 from .fairness import InitProbe, RefusedError, init_difference
 from .methods import PLAIN
 from .options import CompareOptions
+from .preemption import EXIT_SIGTERM, JobStopped, sigterm_stops_job
 from .progress import JobProgress, ProgressCallback
 from .records import JobFolder, planned_runs
 from .run import train_run
@@ -48,12 +50,14 @@ class JobInputs:
         make_trainer_kwargs: returns the user's Trainer arguments (fresh callback / logger objects every call).
         identity: the model, data and Trainer settings as JSON-able values (part of the job's fingerprint); a
             ``"model": None`` entry is filled from the first seed's model (:func:`module_identity`).
+        resume: how to resume the job, said when it stops on SIGTERM (the command line gives its exact command).
     """
 
     make_model: Callable[[], L.LightningModule]
     make_datamodule: Callable[[], L.LightningDataModule | None]
     make_trainer_kwargs: Callable[[], dict[str, Any]]
     identity: dict[str, Any]
+    resume: str = "call lightning_resctl.compare again with the same arguments and resume=True"
 
 
 def stable(value: Any) -> Any:
@@ -249,6 +253,35 @@ class _Job:
 
     # ------------------------------------------------------------------ the job
     def run(self) -> SummaryTable:
+        """The job (see :func:`run_job`); on SIGTERM anywhere in it, :meth:`stopped`."""
+        self._runs: list[tuple[str, int]] = []
+        self._todo: list[tuple[str, int]] = []
+        self._running: tuple[int, str, int] | None = None  # (index, method, seed) of the run in progress
+        self._progress: JobProgress | None = None
+        try:
+            return self._run()
+        except SIGTERMException:
+            self.stopped()
+
+    def stopped(self) -> None:
+        """Say where the job stopped and how to resume it (rank zero), and raise :class:`JobStopped`."""
+        if self._progress is not None:
+            self._progress.close()
+        if _is_rank_zero():
+            runs = self._runs
+            finished = sum(self.folder.read_record(m, s) is not None for m, s in runs)
+            where = "between runs" if runs else "before its first run"
+            if self._running is not None:
+                index, method, seed = self._running
+                saved = self.folder.checkpoint(method, seed)
+                where = f"in run {index}/{len(self._todo)} ({method}, seed {seed}), " + (
+                    f"which is saved in {saved}" if saved.is_file() else "which starts over when resumed")
+            done = f"; {finished} of {len(runs)} runs finished" if runs else ""
+            print(f"[resctl] SIGTERM: the job stopped {where}{done}; exit status {EXIT_SIGTERM}", flush=True)
+            print(f"[resctl] resume with: {self.inputs.resume}", flush=True)
+        raise JobStopped(self.inputs.resume) from None
+
+    def _run(self) -> SummaryTable:
         opts = self.opts
         started = time.perf_counter()
         identity = {**self.inputs.identity, "compare": opts.identity()}
@@ -257,10 +290,10 @@ class _Job:
         rank_zero = _is_rank_zero()  # under a multi-process strategy every rank runs the job; rank zero writes
         if rank_zero:
             self.folder.prepare(identity, opts.shard, overwrite=opts.overwrite, resume=opts.resume)
-        runs = planned_runs(self.methods, self.seeds, opts.shard_pair())
-        todo = [(m, s) for m, s in runs if self.folder.read_record(m, s) is None]
+        runs = self._runs = planned_runs(self.methods, self.seeds, opts.shard_pair())
+        todo = self._todo = [(m, s) for m, s in runs if self.folder.read_record(m, s) is None]
         max_steps = int(self.trainer_kwargs.get("max_steps") or -1)
-        progress = JobProgress(len(todo), max(max_steps, 0), enabled=opts.progress_bar and rank_zero)
+        progress = self._progress = JobProgress(len(todo), max(max_steps, 0), enabled=opts.progress_bar and rank_zero)
         progress.start()
 
         def say(text: str) -> None:
@@ -286,9 +319,11 @@ class _Job:
         cost = self.cost(progress) if rank_zero else None
         with _warnings_once():
             for index, (method, seed) in enumerate(todo, 1):
+                self._running = (index, method, seed)
                 record = self.one(index, method, seed, progress)
                 if rank_zero:
                     self.folder.write_record(record)
+                self._running = None
                 if record["status"] == "done":
                     say(f"[resctl] run {index}/{len(todo)} done: {method}, seed {seed}: {record['monitor']} "
                         f"{record['final']:.4f}, {record['wall_s']:.1f} s"
@@ -334,12 +369,16 @@ class _Job:
 
 def run_job(inputs: JobInputs, opts: CompareOptions) -> SummaryTable:
     """Run (or resume, or run one shard of) the comparison described by ``inputs`` and ``opts``; write the output
-    folder; return the summary table. See :func:`lightning_resctl.compare` for what is compared and how."""
+    folder; return the summary table. See :func:`lightning_resctl.compare` for what is compared and how.
+
+    On SIGTERM the run in progress saves its checkpoint, the job says how to resume (``inputs.resume``) and raises
+    :class:`~.preemption.JobStopped` (a ``SystemExit`` with status 143)."""
     opts.validate()
     threads = torch.get_num_threads()
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
     try:
-        return _Job(inputs, opts).run()
+        with sigterm_stops_job():
+            return _Job(inputs, opts).run()
     finally:
         torch.set_num_threads(threads)

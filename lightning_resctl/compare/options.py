@@ -32,7 +32,8 @@ HELP = {
              "`lightning-resctl summarize`",
     "checkpoint_every_min": "save the run in progress (what resume restarts from) at a validation end when this many "
                             "minutes passed since its last save (0: at every validation; null: never, a resumed run "
-                            "then starts over); deleted when the run ends",
+                            "then starts over) and on SIGTERM (then the job exits with status 143); deleted when the "
+                            "run ends",
     "cost_rounds": "timed rounds of the cost-vs-plain measurement (one training step per method per round; 0 skips it)",
     "cost_warmup": "untimed rounds before them (at least one per batch shape the timed rounds use)",
     "ablation": "run ResidualAblationCallback at the last validation (loss increase per skipped merge)",

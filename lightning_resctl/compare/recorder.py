@@ -29,7 +29,7 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
-__all__ = ["RunRecorder", "epoch_seed", "find_monitor", "MonitorNotFoundError"]
+__all__ = ["RunRecorder", "epoch_seed", "find_monitor", "MonitorNotFoundError", "between_epochs"]
 
 #: names tried, in order, when no monitor is given (as ResidualAblationCallback finds the validation loss)
 DEFAULT_MONITORS = ("val_loss", "val/loss")
@@ -63,6 +63,13 @@ def find_monitor(logged: Mapping[str, Any], monitor: str | None) -> str:
         return losses[0]
     raise MonitorNotFoundError(f"no monitor given and none of {list(DEFAULT_MONITORS)} is logged at validation (the "
                                f"model logs {names}): pass monitor=NAME (--monitor NAME)")
+
+
+def between_epochs(trainer) -> bool:
+    """Whether the fit is after an epoch's end and before the next epoch's start (Lightning stops a fit there on
+    SIGTERM that comes in the epoch-end hooks)."""
+    epochs = trainer.fit_loop.epoch_progress.current
+    return epochs.completed == epochs.ready
 
 
 def _rng_state() -> dict[str, Any]:
@@ -124,7 +131,9 @@ def _replaying_class(cls: type, recorder: "RunRecorder") -> type:
         iterator = cls._get_iterator(self)
         for _ in range(skip):
             next(iterator)
-        return _Primed(iterator)
+        primed = _Primed(iterator)
+        recorder._iterator_ready()
+        return primed
 
     # Lightning stores/loads the state of stateful loaders (and stops warning that the loader cannot resume);
     # the position lives in the recorder's state.
@@ -211,6 +220,12 @@ class RunRecorder(Callback):
             self._resume["rng"] = None
         return resume[1] if resume is not None and resume[0] == epoch else 0
 
+    def _iterator_ready(self) -> None:
+        """A fit resumed from a save between two epochs: the uninterrupted run's RNG at the next epoch's first step
+        is the one right after that epoch's iterator was created (whatever hooks draw after the creation here)."""
+        if self._resume is not None and self._resume["between_epochs"]:
+            self._resume["rng"] = _rng_state()
+
     def on_fit_start(self, trainer, pl_module):
         if self._resume is None:
             seed_everything(self.seed, workers=True, verbose=False)
@@ -225,10 +240,13 @@ class RunRecorder(Callback):
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        # saved between two epochs (a fit stopped there by SIGTERM): the next epoch starts at its first batch, from
+        # its own seed (see _iterator_ready), not from the RNG of the save
+        between = between_epochs(trainer)
         return {"seed": self.seed, "monitor": self.monitor, "curve": self.curve, "train_losses": self.train_losses,
                 "train_time_s": self.train_time_s, "steps_timed": self.steps_timed, "intervals": self._intervals,
-                "epoch": trainer.current_epoch, "batches": progress.completed,
-                "rng": _rng_state()}
+                "epoch": trainer.current_epoch, "batches": 0 if between else progress.completed,
+                "rng": None if between else _rng_state(), "between_epochs": between}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["seed"] != self.seed:
@@ -238,7 +256,8 @@ class RunRecorder(Callback):
         self.train_losses = [tuple(x) for x in state["train_losses"]]
         self.train_time_s, self.steps_timed = state["train_time_s"], state["steps_timed"]
         self._intervals = state["intervals"]
-        self._resume = {"epoch": state["epoch"], "batches": state["batches"], "rng": state["rng"]}
+        self._resume = {"epoch": state["epoch"], "batches": state["batches"], "rng": state["rng"],
+                        "between_epochs": state.get("between_epochs", False)}
 
     # ------------------------------------------------------------------ training loss and time
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from .methods import PLAIN
 from .options import CompareOptions
+from .preemption import SigtermCheckpoint
 from .records import JobFolder
 from .recorder import RunRecorder
 
@@ -88,9 +89,9 @@ def train_run(method: str, seed: int, reference: L.LightningModule, datamodule: 
     """Train a copy of ``reference`` (the seed's initial model) with ``method`` and return the run's record.
 
     ``trainer_kwargs``: the user's Trainer settings; the job adds its callbacks (the method's
-    ResidualControlCallback, the recorder, the ablation, the checkpoint) to the user's, logs to TensorBoard under
-    ``<out>/tb/<method>/seed<seed>`` (besides the user's loggers) and resumes from the run's last checkpoint when
-    there is one."""
+    ResidualControlCallback, the recorder, the ablation, the checkpoints: periodic and on SIGTERM) to the user's,
+    logs to TensorBoard under ``<out>/tb/<method>/seed<seed>`` (besides the user's loggers) and resumes from the run's
+    last checkpoint when there is one."""
     model = copy.deepcopy(reference)
     params_before = _count_params(model)
     control, ablation = _diagnostics(opts, method)
@@ -98,8 +99,9 @@ def train_run(method: str, seed: int, reference: L.LightningModule, datamodule: 
     kwargs = dict(trainer_kwargs)
     user_callbacks = kwargs.pop("callbacks", None) or []
     user_callbacks = list(user_callbacks) if isinstance(user_callbacks, (list, tuple)) else [user_callbacks]
-    callbacks = [recorder, *user_callbacks, control, *([ablation] if ablation else []), *extra_callbacks]
     ckpt = folder.checkpoint(method, seed)
+    callbacks = [recorder, *user_callbacks, control, *([ablation] if ablation else []), *extra_callbacks,
+                 SigtermCheckpoint(ckpt)]
     if opts.checkpoint_every_min is not None:
         callbacks.append(RunCheckpoint(ckpt, 60.0 * opts.checkpoint_every_min))
         kwargs["enable_checkpointing"] = True
