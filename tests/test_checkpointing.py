@@ -129,3 +129,137 @@ def test_reentrant_checkpoint_is_refused_at_the_first_training_forward(ckpt, ord
         out = model(_x(1))
         model.ckpt = None
         torch.testing.assert_close(model(_x(1)), out)
+
+
+# ---------------------------------------------------------------------------------------------- HF transformers
+def _hf(name):
+    import transformers
+
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+                                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, bos_token_id=0,
+                                   eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _lm_loss(model):
+    return model(IDS, labels=IDS).loss
+
+
+def _hf_pair(name, method, order, **kwargs):
+    torch.manual_seed(0)
+    model = _hf(name).train()
+    if order == "ckpt-first":
+        model.gradient_checkpointing_enable(**kwargs)
+    report = patch_residuals(model, method=method, example_input=IDS)
+    randomize_rule(model, report)
+    ref = copy.deepcopy(model)
+    if order == "patch-first":  # HF Trainer's order: the model is patched, then the Trainer enables checkpointing
+        model.gradient_checkpointing_enable(**kwargs)
+    else:
+        ref.gradient_checkpointing_disable()
+    assert model.is_gradient_checkpointing and not ref.is_gradient_checkpointing
+    return model, ref
+
+
+@pytest.mark.parametrize("order", ["ckpt-first", "patch-first"])
+@pytest.mark.parametrize("name,method", [("gpt2", m) for m in CHAIN] + [("llama", "mgr"), ("llama", "attnres"),
+                                                                         ("llama", "mhc-lite")])
+def test_hf_gradient_checkpointing_gives_the_gradients_of_the_plain_patched_model(name, method, order):
+    model, ref = _hf_pair(name, method, order)
+    got = grads_of(model, _lm_loss)
+    assert_same_grads(got, grads_of(ref, _lm_loss))
+    assert any("_resctl" in k for k in got)
+
+
+def test_hf_reentrant_gradient_checkpointing_is_refused_at_the_first_forward():
+    model, _ = _hf_pair("gpt2", "hc", "patch-first", gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()  # what HF does for reentrant checkpointing of adapters (PEFT)
+    with pytest.raises(RuntimeError, match=r"gradient_checkpointing_kwargs=\{'use_reentrant': False\}"):
+        _lm_loss(model)
+
+
+# ---------------------------------------------------------------------------------------------- wrappers, FSDP2
+@pytest.mark.parametrize("order", ["ckpt-first", "patch-first"])
+def test_checkpoint_wrapper_in_either_order(order):
+    """torch.distributed's ``checkpoint_wrapper`` (what FSDP recipes apply per block) replaces the blocks by
+    wrappers: applied before the patch (the patch finds the merges through it) or after."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def wrap(m):
+        for i, b in enumerate(m.blocks):
+            m.blocks[i] = checkpoint_wrapper(b)
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    if order == "ckpt-first":
+        wrap(model)
+    for m in (model, ref):
+        randomize_rule(m, patch_residuals(m, method="mhc", example_input=(_x(),)))
+    if order == "patch-first":
+        wrap(model)
+    assert type(model.blocks[0]).__name__ == "CheckpointWrapper"
+    got = {k.replace("_checkpoint_wrapped_module.", ""): g for k, g in grads_of(model, _loss(_x(1))).items()}
+    assert_same_grads(got, grads_of(ref, _loss(_x(1))))
+
+
+@pytest.mark.parametrize("method", ["mgr", "attnres-block"])
+def test_fsdp2_model_parallel_strategy_with_checkpointed_blocks(method, tmp_path):
+    """Lightning's ModelParallelStrategy (2 CPU processes, gloo), blocks in checkpoint_wrapper, fully_shard:
+    the full gradients of one step equal the single-process, non-checkpointed patched model's on the union of
+    the ranks' batches."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _resctl_ckpt_dist_script as script
+    from models import NanoGPT
+
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, script.__file__, method, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    dist = torch.load(tmp_path / "grads.pt")
+    ref = NanoGPT(**script.CFG)
+    patch_residuals(ref, method=method, example_input=torch.zeros(2, script.CFG["block_size"], dtype=torch.long))
+    start = torch.load(tmp_path / "start.pt")
+    ref.load_state_dict({k: v.reshape(ref.state_dict()[k].shape) for k, v in start.items()})
+    x, y = data = script.data().tensors
+    want = grads_of(ref, lambda m: script.loss_of(m, x, y))
+    assert any("_resctl" in k for k in want)
+    assert_same_grads({k: g.reshape(want[k].shape) for k, g in dist.items()}, want, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- compile, autocast
+@pytest.mark.parametrize("method", ["mgr", "attnres-block", "hc"])
+def test_compiled_checkpointed_patched_model(method):
+    import torch._dynamo
+
+    model, ref = _patched_pair(method, "block", "patch-first")
+    x = _x(1)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    got = {k.replace("_orig_mod.", ""): g for k, g in grads_of(compiled, _loss(x)).items()}
+    assert_same_grads(got, grads_of(ref, _loss(x)))
+
+
+@pytest.mark.parametrize("method", CHAIN)
+def test_bf16_autocast_checkpointed_equals_bf16_autocast_plain(method):
+    model, ref = _patched_pair(method, "block", "patch-first")
+    x = _x(1)
+
+    def loss(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x).float().square().mean()
+
+    assert_same_grads(grads_of(model, loss), grads_of(ref, loss))
