@@ -40,6 +40,7 @@ def loss_of(model, x, y):
 
 
 def randomize_rule(model, report, std=0.3, seed=3):
+    """Move the rule's parameters away from their init (zero-init queries would hide wrong gradients)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name in report.new_parameters:
