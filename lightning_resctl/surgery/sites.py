@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import sys
+import weakref
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -68,6 +69,25 @@ def _checkpoint_phase() -> Optional[str]:
         return "recompute"
     if hooks is not None and not getattr(hooks[0], "_mgr_transparent", False):
         return "region"
+    return None
+
+
+def _checkpoint_frame() -> Any:
+    """The checkpointed region (``torch.utils.checkpoint``'s frame object) whose saved-tensor hooks are on top,
+    found through the hook's closure, or None: the region's first chain state is also kept on it, so a
+    recomputation finds it when the region's input comes back as a new tensor (offloading hooks around the
+    checkpoint, e.g. HF's ``offload=True``)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    pack = getattr(hooks[0], "__wrapped__", hooks[0]) if hooks is not None else None
+    for cell in getattr(pack, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, weakref.ref):
+            value = value()
+        if type(value).__name__ == "_CheckpointFrame":
+            return value
     return None
 
 
@@ -449,7 +469,11 @@ class MergeSite(nn.Module):
                     "stream-carrying rule needs each merge once per forward, in order")
             state, lead = run.state, getattr(run, "lead", None)
             if phase == "region":
-                run.entries[origin] = ChainEntry(state, k, lead, training, origin._version)
+                entry = ChainEntry(state, k, lead, training, origin._version)
+                run.entries[origin] = entry
+                frame = _checkpoint_frame()
+                if frame is not None:  # the region's first merge of this chain: kept as long as the region
+                    frame.__dict__.setdefault("_resctl_chain_entries", {}).setdefault(id(run), entry)
         d = self.dim
         moved = d != -1 and d != stream.dim() - 1
         s = stream.movedim(d, -1) if moved else stream
@@ -503,6 +527,9 @@ class MergeSite(nn.Module):
                 if ptr is not None and _storage_ptr(key) == ptr and key._version == candidate.version == stream._version:
                     entry = candidate
                     break
+        if entry is None:  # the region's input came back as another tensor (offloaded): its region's first merge
+            frame = _checkpoint_frame()
+            entry = None if frame is None else frame.__dict__.get("_resctl_chain_entries", {}).get(id(run))
         if entry is None:
             raise RuntimeError(
                 f"the merge at {self.location} ({self.source_line!r}) of residual chain {self.chain} ran in a "
