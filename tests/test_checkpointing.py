@@ -31,15 +31,35 @@ class Block(nn.Module):
         return x
 
 
+class InplaceBlock(Block):
+    """The second merge written in place into the branch's output (``out += x``)."""
+
+    def forward(self, x):
+        x = x + self.f1(torch.tanh(self.ln1(x)))
+        out = self.f2(self.ln2(x))
+        out += x
+        return out
+
+
+class ParallelBlock(Block):
+    """A parallel block written as two additions: one merge of the input with both branches."""
+
+    def forward(self, x):
+        a = self.f1(torch.tanh(self.ln1(x)))
+        m = self.f2(self.ln2(x))
+        x = a + x
+        return m + x
+
+
 class Net(nn.Module):
     """A small GPT-like net; ``ckpt``: None (plain), "block" (each block in torch.utils.checkpoint, ``reentrant``
     chooses the variant), "offload" (the same inside offloading saved-tensor hooks) or "sequential"
-    (checkpoint_sequential in 2 segments)."""
+    (checkpoint_sequential in 2 segments: blocks 0-1 in one region, 2-3 not checkpointed)."""
 
-    def __init__(self, layers=3, ckpt=None, reentrant=False):
+    def __init__(self, layers=4, ckpt=None, reentrant=False, block=Block):
         super().__init__()
         self.emb = nn.Linear(C, C)
-        self.blocks = nn.Sequential(*(Block() for _ in range(layers)))
+        self.blocks = nn.Sequential(*(block() for _ in range(layers)))
         self.head = nn.Linear(C, 3)
         self.ckpt, self.reentrant = ckpt, reentrant
 
@@ -83,10 +103,10 @@ def _loss(x):
     return lambda m: m(x).square().mean()
 
 
-def _patched_pair(method, ckpt, order, reentrant=False, **options):
+def _patched_pair(method, ckpt, order, reentrant=False, block=Block, **options):
     """(checkpointed patched model, non-checkpointed patched twin with the same parameters)."""
     torch.manual_seed(0)
-    model = Net(ckpt=ckpt if order == "ckpt-first" else None, reentrant=reentrant)
+    model = Net(ckpt=ckpt if order == "ckpt-first" else None, reentrant=reentrant, block=block)
     report = patch_residuals(model, method=method, example_input=(_x(),), **options)
     randomize_rule(model, report)
     ref = copy.deepcopy(model)
@@ -112,6 +132,18 @@ def test_non_reentrant_checkpoint_gives_the_gradients_of_the_plain_patched_model
 @pytest.mark.parametrize("method", ["mgr", "attnres-block", "mhc"])
 def test_checkpoint_sequential_gives_the_gradients_of_the_plain_patched_model(method):
     model, ref = _patched_pair(method, "sequential", "patch-first")
+    x = _x(1)
+    assert_same_grads(grads_of(model, _loss(x)), grads_of(ref, _loss(x)))
+
+
+@pytest.mark.parametrize("ckpt", ["block", "sequential"])  # sequential: 2 blocks in one region
+@pytest.mark.parametrize("block", [InplaceBlock, ParallelBlock], ids=["in-place", "parallel"])
+@pytest.mark.parametrize("method", ["mgr", "attnres-block", "hc"])
+def test_in_place_and_parallel_merges_under_checkpointing(method, block, ckpt):
+    model, ref = _patched_pair(method, ckpt, "patch-first", block=block)
+    report_sites = [s for s in model.modules() if type(s).__name__ == "MergeSite"]
+    assert len(report_sites) == (8 if block is InplaceBlock else 4)
+    assert all(s.inplace == "update" for s in report_sites[1::2]) if block is InplaceBlock else True
     x = _x(1)
     assert_same_grads(grads_of(model, _loss(x)), grads_of(ref, _loss(x)))
 
