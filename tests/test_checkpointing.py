@@ -165,6 +165,42 @@ def test_in_place_and_parallel_merges_under_checkpointing(method, block, ckpt):
     assert_same_grads(grads_of(model, _loss(x)), grads_of(ref, _loss(x)))
 
 
+class Body(nn.Module):
+    """The whole chain in one module (its owner), checkpointed as one region by :class:`Whole`."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class Whole(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.body, self.head = nn.Linear(C, C), Body(), nn.Linear(C, 3)
+        self.ckpt = False
+
+    def forward(self, x):
+        x = self.emb(x)
+        x = checkpoint(self.body, x, use_reentrant=False) if self.ckpt else self.body(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("method", ["mgr", "attnres", "hc"])
+def test_the_whole_chain_and_its_owner_in_one_checkpointed_region(method):
+    """The recomputation re-runs the chain's owner (its reset and end hooks) and all of the chain's merges."""
+    torch.manual_seed(0)
+    model = Whole()
+    randomize_rule(model, patch_residuals(model, method=method, example_input=(_x(),), **exact_options(method)))
+    ref = copy.deepcopy(model)
+    model.ckpt = True
+    assert_same_grads(grads_of(model, _loss(_x(1))), grads_of(ref, _loss(_x(1))))
+
+
 @pytest.mark.parametrize("method", ["mgr", "attnres", "mhc-lite"])
 def test_offloaded_block_inputs_give_the_gradients_of_the_plain_patched_model(method):
     """The block's input comes back from backward as another tensor: the recomputation finds the chain state
