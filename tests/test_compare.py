@@ -369,9 +369,8 @@ def test_init_check_measures_outputs_and_gradients_and_reports_refusals(one_thre
         m._loss(batch).backward()
         grads.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in m.parameters() if p.grad is not None)))
     assert result["grad_norm"] == pytest.approx(abs(grads[1] - grads[0]) / grads[0], rel=1e-6)
-    model.gradient_checkpointing = True  # chain rules refuse activation checkpointing
-    with pytest.raises(RefusedError, match="checkpointing"):
-        init_difference(model, "mgr-competitive", None, probe)
+    with pytest.raises(RefusedError, match="streams must be <= 6"):  # a surgery that refuses is reported
+        init_difference(model, "mhc-lite", {"streams": 7}, probe)
 
 
 def test_builtin_default_job_by_the_command_line(tmp_path, capfd, caplog):

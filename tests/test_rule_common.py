@@ -190,14 +190,6 @@ def test_bad_options_name_option_and_value(method, options, match):
         patch_residuals(_gpt(), method=method, **options)
 
 
-def test_chain_rules_refuse_activation_checkpointing():
-    model = _gpt()
-    model.gradient_checkpointing = True
-    for method in RULES:
-        with pytest.raises(ValueError, match="activation checkpointing"):
-            patch_residuals(model, method=method)
-
-
 # ---------------------------------------------------------------------------------------------- diagnostics
 @pytest.mark.parametrize("method", RULES)
 def test_observer_streams_and_stats(method):

@@ -179,7 +179,6 @@ class ChainRule(MergeRule):
     """A stream-carrying chain rule (see the module docstring for the runtime contract)."""
 
     kind: ClassVar[str] = "chain"
-    supports_checkpointing: ClassVar[bool] = False
     #: attribute name prefix of the chain modules registered in the model
     chain_attr: ClassVar[str] = "_resctl_chain"
 

@@ -26,8 +26,9 @@ into a patched model with :func:`load_unpatched_state_dict` (the sites' records 
 the only keys allowed to be missing; it returns their names).
 
 Limits: only additions that ran in the observed forward are patched (Python branches not taken are not
-seen); MGR refuses models with activation checkpointing enabled (a recomputed block would replay its
-merges); patch before wrapping (DDP/FSDP/``torch.compile``) and unpatch before ``fully_shard``.
+seen); chain rules support non-reentrant activation checkpointing (a recomputed block replays its merges
+from the chain state recorded at its entry) and refuse the reentrant variant at the first training forward;
+patch before wrapping (DDP/FSDP/``torch.compile``) and unpatch before ``fully_shard``.
 """
 from .checkpoint import (PatchOnLoadMixin, adapt_optimizer_state, load_unpatched_state_dict, patch_from_checkpoint,
                          patch_from_state_dict)

@@ -129,8 +129,9 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
         raise RuntimeError(f"patch_residuals found no residual merge to patch: {searched}. "
                            f"Skipped additions: {reasons}. (Pass allow_empty=True to accept this.)")
     before = set(model.state_dict().keys())
+    old = {id(p) for p in model.parameters()}  # by identity: wrappers (checkpoint_wrapper) rename state_dict keys
     state = _apply(model, plan, rule, report, obs, other)
-    report.new_parameters = [k for k, _ in model.named_parameters() if k not in before]
+    report.new_parameters = [k for k, p in model.named_parameters() if id(p) not in old]
     report.new_keys = [k for k in model.state_dict().keys() if k not in before]
     report.patch_seconds = time.perf_counter() - t0
     model.__dict__[_STATE_ATTR] = state

@@ -19,18 +19,88 @@ Chain bookkeeping (why a forward can never continue another forward's chain):
 * anything else (a merge that runs twice, out of order, after an expected one was skipped, a chain that stops
   early, or a forward of the owner that runs none of the merges observed in its mode) raises a RuntimeError
   naming the chain and the site at that forward — never a silently different network.
+
+Activation checkpointing (non-reentrant ``torch.utils.checkpoint`` and what builds on it: HF
+``gradient_checkpointing_enable()``, ``checkpoint_sequential``, ``checkpoint_wrapper``): a merge that runs
+inside a checkpointed region remembers, for the stream tensor it received, the chain state and position it
+stood for (:class:`ChainEntry`, in a weak mapping that lives as long as that tensor: the checkpoint keeps
+exactly its region's inputs alive). When backward recomputes the region, its merges *replay* from those
+entries (and from the ones the replay's own merges leave on the tensors they return) instead of touching the
+live :class:`ChainRun`: the recomputation saves the same tensors as the forward, and the gradients flow
+through the forward's own graph. Reentrant checkpointing (``use_reentrant=True``) runs the region under
+``no_grad`` and would cut the chain state's gradient: it is refused at the first forward that trains through
+it, naming ``use_reentrant=False``.
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional
+import sys
+import weakref
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..rules.base import branches_sum
 
-__all__ = ["MergeSite", "ChainRun", "ParallelRun", "ParallelPart"]
+__all__ = ["MergeSite", "ChainRun", "ChainEntry", "ParallelRun", "ParallelPart"]
+
+
+class ChainEntry(NamedTuple):
+    """What a stream tensor handed to the model's code inside a checkpointed region stands for: the chain state
+    entering merge ``k`` (None: the chain starts there), the chain's leading shape, the mode and the tensor's
+    version counter when it was recorded (a view of it is recognised by its storage and that version)."""
+
+    state: Any
+    k: int
+    lead: Any
+    training: bool
+    version: int
+
+
+def _checkpoint_phase() -> Optional[str]:
+    """``"recompute"`` while backward recomputes a non-reentrant checkpointed region (its recomputation hooks are
+    on top, or a backward pass runs), ``"region"`` while other saved-tensor hooks decide what is kept (a
+    checkpointed region's forward, offloading; not the observing ones marked ``_mgr_transparent``), else None."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", ""):
+        return "recompute"
+    if torch._C._current_graph_task_id() != -1:
+        return "recompute"
+    if hooks is not None and not getattr(hooks[0], "_mgr_transparent", False):
+        return "region"
+    return None
+
+
+def _checkpoint_frame() -> Any:
+    """The checkpointed region (``torch.utils.checkpoint``'s frame object) whose saved-tensor hooks are on top,
+    found through the hook's closure, or None: the region's first chain state is also kept on it, so a
+    recomputation finds it when the region's input comes back as a new tensor (offloading hooks around the
+    checkpoint, e.g. HF's ``offload=True``)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    pack = getattr(hooks[0], "__wrapped__", hooks[0]) if hooks is not None else None
+    for cell in getattr(pack, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, weakref.ref):
+            value = value()
+        if type(value).__name__ == "_CheckpointFrame":
+            return value
+    return None
+
+
+def _inside_reentrant_checkpoint() -> bool:
+    """True when ``torch.utils.checkpoint``'s reentrant ``CheckpointFunction`` is on the call stack."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name == "forward" and f.f_code.co_filename.replace("\\", "/").endswith(
+                "torch/utils/checkpoint.py"):
+            return True
+        f = f.f_back
+    return False
 
 
 class ChainRun:
@@ -45,6 +115,9 @@ class ChainRun:
         self.num_merges = num_merges
         self.expected = {mode: tuple(sorted(p)) for mode, p in expected.items()}
         self.sites = tuple(sites)
+        #: stream tensor -> ChainEntry, for merges that run inside checkpointed regions (weak: an entry lives as
+        #: long as its tensor; kept across forwards, since backward recomputes a region after its forward ended)
+        self.entries = WeakTensorKeyDictionary()
         self._next = {}
         for mode in ("train", "eval"):
             seq = self.expected.get(mode, self.expected.get("train", ()))
@@ -157,6 +230,7 @@ class ParallelRun:
 
     def clear(self) -> None:
         self.stream: Optional[torch.Tensor] = None
+        self.origin: Optional[torch.Tensor] = None   # the block's input as the model passed it (stream: a copy)
         self.updates: list = []
         self.partial: Optional[torch.Tensor] = None
 
@@ -206,6 +280,7 @@ class ParallelPart(nn.Module):
         if self.first:
             run.clear()
             run.stream = stream.clone() if self.inplace == "stream" else stream
+            run.origin = stream
         elif run.partial is None or stream is not run.partial:
             raise RuntimeError(
                 f"the addition at {self.location} ({self.source_line!r}) is part of a parallel block merged at "
@@ -347,11 +422,12 @@ class MergeSite(nn.Module):
             return self._merge_parallel(stream, update)
         if self.inplace is None or self.rule.merges_in_place:
             return self._merge(stream, update)
+        origin = stream
         if self.inplace == "stream":
             target, stream = stream, stream.clone()
         else:
             target, update = update, update.clone()
-        return target.copy_(self._merge(stream, update))
+        return self._write(target, self._merge(stream, update, origin))
 
     def _merge_parallel(self, partial: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         par = self._parallel
@@ -360,13 +436,13 @@ class MergeSite(nn.Module):
                 f"the merge at {self.location} ({self.source_line!r}) ends a parallel block, but its stream is "
                 "not the partial sum of the block's previous addition: the block ran differently from the "
                 "forward the model was patched on")
-        block_input, updates = par.stream, par.updates + [update]
+        block_input, origin, updates = par.stream, par.origin, par.updates + [update]
         par.clear()
         chain = self.rule.kind == "chain"
         if chain or self.observer is not None:
             total = branches_sum(updates)
         if chain:
-            merged = self._forward_chain(block_input, total)
+            merged = self._forward_chain(block_input, total, origin)
         else:
             if self.observer is not None:
                 self.current_position = self.position
@@ -376,11 +452,22 @@ class MergeSite(nn.Module):
         if self.inplace is None or (self.rule.merges_in_place and not self.skip_update and not chain):
             return merged
         # an in-place last addition (``x += mlp_out``): the model's tensor holds the merged value afterwards
-        return (partial if self.inplace == "stream" else update).copy_(merged)
+        return self._write(partial if self.inplace == "stream" else update, merged)
 
-    def _merge(self, stream: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    def _write(self, target: torch.Tensor, merged: torch.Tensor) -> torch.Tensor:
+        """An in-place merge: ``merged`` written into the model's tensor ``target`` (which a checkpointed region's
+        recomputation then knows by ``merged``'s chain entry)."""
+        out = target.copy_(merged)
+        run = self._run
+        if run is not None:
+            entry = run.entries.get(merged)
+            if entry is not None:
+                run.entries[out] = entry._replace(version=out._version)
+        return out
+
+    def _merge(self, stream: torch.Tensor, update: torch.Tensor, origin: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.rule.kind == "chain":
-            return self._forward_chain(stream, update)
+            return self._forward_chain(stream, update, origin)
         if self.observer is not None:
             self.current_position = self.position
             self.observer(self, stream, update, None)
@@ -400,52 +487,130 @@ class MergeSite(nn.Module):
         run.calls[id(self)] = n + 1
         return positions[n]
 
-    def _forward_chain(self, stream: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    def _forward_chain(self, stream: torch.Tensor, update: torch.Tensor,
+                       origin: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One merge of the chain; ``origin``: the stream tensor as the model passed it (``stream`` may be a copy
+        of it for an in-place merge), by which a checkpointed region's recomputation finds its chain state."""
         rule = self.rule
         chain = self._chain_module
         run = self._run
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-            raise RuntimeError(
-                f"the merge at {self.location} ({self.source_line!r}) ran during a backward pass (activation "
-                f"checkpointing recomputing its block): method={self.method!r} carries state beside the model and "
-                "cannot be recomputed; checkpoint outside the residual chain or use a per-merge rule")
-        k = self._position_now(run)
-        run.check_order(k, self.training, f"{self.location}: {self.source_line!r}")
+        origin = stream if origin is None else origin
+        phase = None if torch.compiler.is_compiling() else _checkpoint_phase()
+        if phase == "recompute":
+            entry = self._replay_entry(run, origin)
+            state, k, lead, training = entry.state, entry.k, entry.lead, entry.training
+        else:
+            if not torch.is_grad_enabled() and self.training:
+                self._refuse_reentrant(stream, run)
+            training = self.training
+            k = self._position_now(run)
+            run.check_order(k, training, f"{self.location}: {self.source_line!r}")
+            state, lead = run.state, getattr(run, "lead", None)
+            if phase == "region":
+                entry = ChainEntry(state, k, lead, training, origin._version)
+                run.entries[origin] = entry
+                frame = _checkpoint_frame()
+                if frame is not None:  # the region's first merge of this chain: kept as long as the region
+                    frame.__dict__.setdefault("_resctl_chain_entries", {}).setdefault(id(run), entry)
         d = self.dim
         moved = d != -1 and d != stream.dim() - 1
         s = stream.movedim(d, -1) if moved else stream
         u = update.movedim(d, -1) if moved else update
-        if run.state is None:
-            run.state = rule.start(chain, s)
-            run.lead = s.shape[:-1]
+        if state is None:
+            state = rule.start(chain, s)
+            lead = s.shape[:-1]
+            if phase != "recompute":
+                run.state, run.lead = state, lead
         self.current_position = k
-        if self.observer is not None:
-            self.observer(self, stream, update, rule.streams(chain, run.state))
-        if u.shape[:-1] != run.lead:  # the model re-viewed the stream between merges (e.g. reshape(-1, C))
-            u = u.reshape(run.lead + u.shape[-1:])
+        if self.observer is not None and phase != "recompute":
+            self.observer(self, stream, update, rule.streams(chain, state))
+        if u.shape[:-1] != lead:  # the model re-viewed the stream between merges (e.g. reshape(-1, C))
+            u = u.reshape(lead + u.shape[-1:])
         if u.dtype != s.dtype and not torch.is_autocast_enabled(s.device.type):
             out_dtype = torch.result_type(s, u)
         else:
             out_dtype = s.dtype
         if u.dtype != s.dtype:  # the chain's state keeps the dtype of its input; the result is promoted below
             u = u.to(s.dtype)
-        next_k = run.next_after(k, self.training)
+        next_k = run.next_after(k, training)
         if self.skip_update:
-            state, h = rule.skip(chain, k, run.state, next_k)
+            state, h = rule.skip(chain, k, state, next_k)
         else:
-            state, h = rule.step(chain, k, run.state, u, next_k)
-        run.last = k
-        run.last_site = self.location
-        if next_k >= run.num_merges:
-            run.state = None  # nothing kept alive after the chain's output
-            run.done = True
-        else:
-            run.state = state
+            state, h = rule.step(chain, k, state, u, next_k)
+        if phase != "recompute":
+            run.last = k
+            run.last_site = self.location
+            if next_k >= run.num_merges:
+                run.state = None  # nothing kept alive after the chain's output
+                run.done = True
+            else:
+                run.state = state
         if h.shape[:-1] != s.shape[:-1]:
             h = h.reshape(s.shape)
         if h.dtype != out_dtype:
             h = h.to(out_dtype)
-        return h.movedim(-1, d) if moved else h
+        h = h.movedim(-1, d) if moved else h
+        if phase == "recompute" and next_k < run.num_merges:
+            # the next merge of this recomputation finds the state by the tensor its stream operand is
+            run.entries[h] = ChainEntry(state, next_k, lead, training, h._version)
+        return h
+
+    def _replay_entry(self, run: ChainRun, stream: torch.Tensor) -> ChainEntry:
+        """The chain state the forward had entering this merge, for a checkpointed region's recomputation: the
+        entry of ``stream`` (or of a live tensor of the same storage and version, when the model re-viewed it)."""
+        entry = run.entries.get(stream)
+        if entry is None:
+            ptr = _storage_ptr(stream)
+            for key, candidate in list(run.entries.items()):
+                if ptr is not None and _storage_ptr(key) == ptr and key._version == candidate.version == stream._version:
+                    entry = candidate
+                    break
+        if entry is None:  # the region's input came back as another tensor (offloaded): its region's first merge
+            frame = _checkpoint_frame()
+            entry = None if frame is None else frame.__dict__.get("_resctl_chain_entries", {}).get(id(run))
+        if entry is None:
+            raise RuntimeError(
+                f"the merge at {self.location} ({self.source_line!r}) of residual chain {self.chain} ran in a "
+                "backward pass (activation checkpointing recomputing its block), but its stream is not a tensor "
+                "the chain handed to the model inside a checkpointed region, so its chain state is unknown: "
+                "checkpoint with torch.utils.checkpoint(..., use_reentrant=False) around whole blocks, whose "
+                "input is the previous merge's output")
+        positions = set(self.mode_positions.get("train" if entry.training else "eval") or self.positions)
+        if entry.k not in positions:
+            raise RuntimeError(
+                f"the merge at {self.location} ({self.source_line!r}) recomputed in backward received the stream "
+                f"of merge {entry.k} of residual chain {self.chain}, but it runs merges {sorted(positions)}: the "
+                "checkpointed block ran differently from its forward")
+        return entry
+
+    def _refuse_reentrant(self, stream: torch.Tensor, run: ChainRun) -> None:
+        """Raise when this merge runs in the ``no_grad`` forward of reentrant checkpointing while training."""
+        state_grad = any(t.requires_grad for t in _tensors(run.state))
+        if (stream.requires_grad or state_grad) and _inside_reentrant_checkpoint():
+            raise RuntimeError(
+                f"the merge at {self.location} ({self.source_line!r}) runs inside "
+                f"torch.utils.checkpoint(..., use_reentrant=True), which runs its block under no_grad: "
+                f"method={self.method!r} carries its state beside the model, and that state's gradient would not "
+                "reach the blocks before it. Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (HF: "
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}); "
+                "checkpoint_sequential(..., use_reentrant=False)), or a per-merge rule (e.g. "
+                "method='rescontroller')")
+
+
+def _storage_ptr(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _tensors(state: Any) -> list:
+    """The tensors in a chain state (a tensor, or tuples / named tuples of them)."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, (tuple, list)):
+        return [t for item in state for t in _tensors(item)]
+    return []
 
 
 def decode_record(state: Any) -> Any:
