@@ -265,6 +265,8 @@ def _unflatten(outs, out_spec):
 
 
 _COMPILED_DEVICES = ("cpu", "cuda")
+#: Sizes up to this tell background compiles of one signature apart (:meth:`CompiledRegion._submit`); ours.
+_SMALL_SIZE = 16
 
 
 def _ambient() -> tuple:
@@ -481,8 +483,11 @@ class CompiledRegion:
     def _submit(self, sig, args, tensors) -> None:
         """Queue ``sig`` for these sizes: every size pattern of a signature (e.g. MGR's accumulating merges, one
         per stream count) is queued at its first call, so one :func:`wait_for_compiles` after the first step
-        covers them all. Sizes another pending compile will serve may be compiled twice; the second is dropped."""
-        key = (sig, tuple(tuple(t.shape) for t in tensors))
+        covers them all. Which sizes need a graph of their own is only known once traced, so calls are told
+        apart by their small sizes (<= :data:`_SMALL_SIZE`: what traces specialize on, e.g. a stream count),
+        and large ones (tokens, features) count as one: a changing sequence length queues no extra compile.
+        Sizes another pending compile will serve may be compiled twice; the second graph is dropped."""
+        key = (sig, tuple(tuple(n if n <= _SMALL_SIZE else -1 for n in t.shape) for t in tensors))
         with COMPILE_LOCK:
             if key in self.pending or not self._room():
                 return

@@ -224,3 +224,22 @@ def test_after_the_wait_the_default_backend_runs_every_merge_compiled(method):
     patch_residuals(compiled, method=method, backend="torch-compiled")
     steps(compiled, 1)
     assert {name: g for name, (g, _, _) in region_calls().items()} == {name: g for name, (g, _, _) in after.items()}
+
+
+@needs_compiler
+def test_a_changing_sequence_length_queues_one_compile_and_small_sizes_their_own():
+    """Large sizes (tokens, features) are traced symbolically: calls that differ only there share one queued
+    compile (a training loop with variable sequence lengths must not queue a compile per length while the first
+    one runs); calls that differ in a small size (what a trace may specialize on, e.g. MGR's stream count) are
+    queued apart, so one wait covers both."""
+    region = CompiledRegion(_rowwise_math)
+    for t in (100, 101, 137):
+        region.background(torch.randn(4, t), torch.randn(4, t))
+    assert len(region.pending) == 1
+    region.background(torch.randn(3, 100), torch.randn(3, 100))
+    assert len(region.pending) == 2
+    assert wait_for_compiles(timeout=600)
+    for rows, t in ((4, 120), (3, 50)):
+        a, b = torch.randn(rows, t), torch.randn(rows, t)
+        torch.testing.assert_close(region.background(a, b), _rowwise_math(a, b))
+    assert region.eager_calls == 4 and region.compiled_calls == 2 and not region.pending
