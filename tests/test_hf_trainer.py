@@ -120,11 +120,32 @@ def test_logged_values_are_the_monitors_on_the_same_batch(tmp_path, checkpointin
         assert logged[tag] == pytest.approx(value, rel=1e-4, abs=1e-7), tag
 
 
-def test_a_stream_carrying_rule_refuses_activation_checkpointing_at_trainer_init(tmp_path):
+@pytest.mark.parametrize("method", ["mgr-competitive", "attnres-block", "mhc-lite"])
+def test_a_stream_carrying_rule_trains_the_same_with_gradient_checkpointing(tmp_path, method):
+    """``gradient_checkpointing=True`` (HF's non-reentrant default): the same weights after the steps as without,
+    for the rules that carry streams beside the model (MGR without its inversion, which rounds differently)."""
+    options = {"invert": False} if method.startswith("mgr") else {}
+    weights = {}
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = _gpt2()
+        cb = ResidualTrainerCallback(method=method, options=options)
+        Trainer(model=model, args=_args(tmp_path / str(ckpt), gradient_checkpointing=ckpt, max_steps=3),
+                train_dataset=_data(), callbacks=[cb]).train()
+        assert merge_sites(model) and model.is_gradient_checkpointing == ckpt
+        weights[ckpt] = {k: v.detach().clone() for k, v in model.named_parameters()}
+    assert set(weights[True]) == set(weights[False]) and any("_resctl" in k for k in weights[True])
+    for k, v in weights[False].items():
+        torch.testing.assert_close(weights[True][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_reentrant_gradient_checkpointing_is_refused_before_backward(tmp_path):
     cb = ResidualTrainerCallback(method="mgr", options={"streams": 2})
-    with pytest.raises(ValueError, match="activation checkpointing"):
-        Trainer(model=_gpt2(), args=_args(tmp_path, gradient_checkpointing=True), train_dataset=_data(),
-                callbacks=[cb])
+    trainer = Trainer(model=_gpt2(), args=_args(tmp_path, gradient_checkpointing=True,
+                                                gradient_checkpointing_kwargs={"use_reentrant": True}),
+                      train_dataset=_data(), callbacks=[cb])
+    with pytest.raises(RuntimeError, match="use_reentrant"):
+        trainer.train()
 
 
 def test_an_optimizer_built_before_the_patch_is_refused(tmp_path):

@@ -128,8 +128,9 @@ class ResidualTrainerCallback(TrainerCallback):
     When: the model is patched in ``on_init_end`` — at the end of ``Trainer(...)``, before ``train()`` builds the
     optimizer and wraps the model — with one forward on ``example_input`` (default: ``model.example_input_array``,
     else the transformers model's ``dummy_inputs``). With ``activation_checkpointing`` (``gradient_checkpointing``)
-    in the arguments, checkpointing is turned on first, as ``train()`` will: per-merge rules run inside it, rules
-    that carry a stream between merges refuse it there. An optimizer given to the Trainer (``optimizers=``) was
+    in the arguments, checkpointing is turned on first, as ``train()`` will: every rule runs inside the checkpointed
+    layers (HF's default, non-reentrant; ``use_reentrant=True`` is refused by rules that carry a stream between
+    merges, at the first training forward). An optimizer given to the Trainer (``optimizers=``) was
     built before the patch: a rule that adds parameters then raises (they would not be trained).
 
     What is logged: :class:`~lightning_resctl.ResidualMonitor`'s scalars, gate histograms, custom-scalars layout
