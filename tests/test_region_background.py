@@ -189,9 +189,20 @@ def test_the_background_compile_generates_the_parents_multithreaded_code(tmp_pat
     assert int(counts["PARALLEL"]) >= 1, f"the background compile wrote single-threaded kernels: {proc.stdout}"
 
 
+@pytest.fixture
+def fresh_rule_regions(monkeypatch):
+    """The rules' compiled regions are process-wide: earlier tests may have filled them up to their graph limit
+    (then new signatures run eagerly by design). Give this test empty ones."""
+    from lightning_resctl import rescontroller
+    from lightning_resctl.mgr import ops
+
+    for math in (rescontroller._math_fns, ops._torch_fns):
+        monkeypatch.setattr(math, "regions", None)
+
+
 @needs_compiler
 @pytest.mark.parametrize("method", ["mgr-competitive", "rescontroller"])
-def test_after_the_wait_the_default_backend_runs_every_merge_compiled(method):
+def test_after_the_wait_the_default_backend_runs_every_merge_compiled(method, fresh_rule_regions):
     """The default backend's steady state is the compiled one: once ``wait_for_compiles()`` returned, training
     steps call no region eagerly, and the regions hold the graphs ``backend="torch-compiled"`` compiles."""
     from lightning_resctl import patch_residuals
