@@ -193,10 +193,10 @@ def test_the_background_compile_generates_the_parents_multithreaded_code(tmp_pat
 def fresh_rule_regions(monkeypatch):
     """The rules' compiled regions are process-wide: earlier tests may have filled them up to their graph limit
     (then new signatures run eagerly by design). Give this test empty ones."""
-    from lightning_resctl import rescontroller
-    from lightning_resctl.mgr import ops
+    import importlib
 
-    for math in (rescontroller._math_fns, ops._torch_fns):
+    for module, name in (("lightning_resctl.rescontroller", "_math_fns"), ("lightning_resctl.mgr.ops", "_torch_fns")):
+        math = getattr(importlib.import_module(module), name)
         monkeypatch.setattr(math, "regions", None)
 
 
