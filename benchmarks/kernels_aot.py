@@ -529,8 +529,8 @@ def summarize(rows, vs, counted, args) -> dict:
     archs = ", ".join(f"sm_{a}" for a in args.arch)
     line = (f"AOT summary ({archs}; {len(rows)} compiled variants): {failures} compile failures, {spilled} spilled "
             f"bytes ({spilling} variants), occupancy >= 25% in {len(occ) - low}/{len(occ)} (min "
-            f"{min(occ, default=float('nan')):.1%}), {fp64} with fp64 on a non-fp64 path, {narrow} with a feature-vector "
-            f"load under {VECTOR_BITS} bits")
+            f"{min(occ, default=float('nan')):.1%}), {fp64} with fp64 on a non-fp64 path, {narrow} with a "
+            f"feature-vector load under {VECTOR_BITS} bits")
     if persistent:
         line += (f"; persistent grids: {overfull}/{len(persistent)} launch more programs per SM than are resident, "
                  f"{underfull} fewer")

@@ -7,7 +7,8 @@ variant spills and every one keeps >= 25 % theoretical occupancy.
 **fp64 runs are for tests only** (the comparisons with the fp64 oracles). fp64 launches take fp32's limits
 (ResController's table is one for every dtype; MGR's 8-byte elements use its 4-byte entries), which assume
 4-byte values; with two registers per value they spill: in the AOT compile of C in the
-benchmark grid, n in {2, 8}, every MGR kind, sm_80 and sm_90, 132 of 252 fp64 variants spill (81216 bytes):
+benchmark grid, n in {2, 8}, every MGR kind, sm_80 and sm_90, 132 of 252 fp64 variants spill (81216 bytes; measured
+before issue 30's vector loads and fp32 forward tiles, whose fp64 rows ``kernels_aot.py --dtypes fp64`` gives):
 ResController backward at every C and forward at C = 8192-16384, MGR backward at n = 8 (and gated n = 2 at
 C = 256-2048), MGR forward from C = 768 (n = 8) or 4096 (n = 2). They compile, keep >= 25 % occupancy and
 compute correctly, only slower than fp64 limits of their own would; ``benchmarks/kernels_aot.py`` compiles fp64
