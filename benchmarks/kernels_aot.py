@@ -6,9 +6,9 @@ so the table cannot drift from what runs), registers per thread, spilled bytes, 
 occupancy, the widest global load (bits), the narrowest load of any feature vector (``vec``: each load of the
 PTX attributed to the pointer argument its address derives from; every one should be 128 bits, kernels/tiles.py)
 and fp64 instructions from the PTX, the bytes the kernel moves per row (per token for MGR) against the rule's
-minimum, and for MGR's persistent grids the programs per SM the launch code sizes the grid for against those
-resident at the compiled registers and shared memory (``grid a/b``: a must not exceed b). A summary line ends
-the table.
+minimum, and for MGR's persistent grids the programs per SM the launch code sizes the first launch for (the
+tile's register limit; later launches use the compiled kernel's residency) against those resident at the
+compiled registers and shared memory (``grid a/b``: a must not exceed b). A summary line ends the table.
 
 Everything here is compiler output and a model of the hardware, not a GPU measurement:
 
@@ -532,8 +532,8 @@ def summarize(rows, vs, counted, args) -> dict:
             f"{min(occ, default=float('nan')):.1%}), {fp64} with fp64 on a non-fp64 path, {narrow} with a "
             f"feature-vector load under {VECTOR_BITS} bits")
     if persistent:
-        line += (f"; persistent grids: {overfull}/{len(persistent)} launch more programs per SM than are resident, "
-                 f"{underfull} fewer")
+        line += (f"; persistent grids (first launch): {overfull}/{len(persistent)} launch more programs per SM than "
+                 f"are resident, {underfull} fewer")
     if tests_only:
         line += (f"; fp64 (tests only): {fp64_spilled} spilled bytes ({fp64_spilling} of {len(tests_only)} "
                  "variants), not counted above")

@@ -42,7 +42,7 @@ from torch import Tensor
 from lightning_resctl._triton import interpreter_mode
 
 from .rows import token_stride
-from .tiles import Launch, StreamTile, device_arch, mgr_tile, persistent_programs
+from .tiles import Launch, StreamTile, device_arch, mgr_tile, persistent_programs, residency_key
 
 __all__ = ["mgr_step", "mgr_step_backward", "mgr_step_forward_raw", "mgr_step_backward_raw", "Launch",
            "forward_launch", "backward_launch"]
@@ -508,10 +508,11 @@ def forward_launch(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: O
     q = gate_query.contiguous() if gated else w
     cb = gate_bias.contiguous() if gated else w
     fb = forget_bias.reshape(1).contiguous() if forget_bias is not None else w
-    programs = persistent_programs(t, tile, streams.device)
+    meta = _meta(tile, m, m_out, gated, forget_bias is not None, streams, cd)
+    key = residency_key(_mgr_fwd_kernel, streams.device, meta)
+    programs = persistent_programs(t, tile, streams.device, residency=key)
     return Launch(_mgr_fwd_kernel, (programs,),
-                  (s2, u2, w, q, cb, fb, out, h, beta, a, t, c, s_st, s_sm, u_st, 1.0 / math.sqrt(c), eps),
-                  _meta(tile, m, m_out, gated, forget_bias is not None, streams, cd))
+                  (s2, u2, w, q, cb, fb, out, h, beta, a, t, c, s_st, s_sm, u_st, 1.0 / math.sqrt(c), eps), meta, key)
 
 
 def _fwd_impl(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
@@ -553,7 +554,10 @@ def backward_launch(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_qu
     go, go_st, go_sm = _stream_view(grad_out, nl) if grad_out is not None else (s2, 0, 0)
     gh, gh_st = _token_view(grad_h, nl) if grad_h is not None else (u2, 0)
     tile = mgr_tile(c, m_out, streams.element_size(), "backward", gated, arch)
-    p = persistent_programs(t, tile, streams.device, MIN_TOKENS_PER_PROGRAM)
+    meta = dict(_meta(tile, m, m_out, gated, forget_bias is not None, streams, cd), HAS_DOUT=grad_out is not None,
+                HAS_DH=grad_h is not None)
+    key = residency_key(_mgr_bwd_kernel, streams.device, meta)
+    p = persistent_programs(t, tile, streams.device, MIN_TOKENS_PER_PROGRAM, key)
     dev = streams.device
     parts = _Partials(torch.empty((p, c), dtype=cd, device=dev) if grad_h is not None else None,
                       torch.empty((p, c), dtype=cd, device=dev) if gated else None,
@@ -565,9 +569,7 @@ def backward_launch(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_qu
     launch = Launch(_mgr_bwd_kernel, (p,),
                     (s2, u2, beta2, a2, w, q, go, gh, ds, du,
                      *(x if x is not None else placeholder for x in (parts.dq, parts.dw, parts.dc, parts.df)),
-                     t, c, s_st, s_sm, u_st, go_st, go_sm, gh_st, 1.0 / math.sqrt(c), eps),
-                    dict(_meta(tile, m, m_out, gated, forget_bias is not None, streams, cd),
-                         HAS_DOUT=grad_out is not None, HAS_DH=grad_h is not None))
+                     t, c, s_st, s_sm, u_st, go_st, go_sm, gh_st, 1.0 / math.sqrt(c), eps), meta, key)
     return launch, parts
 
 

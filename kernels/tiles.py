@@ -21,8 +21,8 @@ until the warps run out; past that each thread holds more of the row, which cost
 dh, the parameter-gradient partials) are loaded in the stream tile's own layout (``_vector`` in
 ``kernels/mgr.py``), so they get the tile's 128-bit loads too (``benchmarks/kernels_aot.py`` checks every
 feature-vector load of the PTX). Registers past the table's are in :data:`TILE_REGS` (per target where sm_90's
-ptxas allocates more than sm_80's), and MGR's persistent grids launch what the SMs hold at a tile's warps and
-register limit (:func:`programs_per_sm`).
+ptxas allocates more than sm_80's), and MGR's persistent grids launch what the SMs hold (:func:`programs_per_sm`:
+at the compiled kernel's registers and shared memory once it has run, at the tile's limit before).
 """
 from __future__ import annotations
 
@@ -33,19 +33,23 @@ import torch
 import triton
 
 __all__ = ["Launch", "RowTile", "StreamTile", "rescontroller_tile", "mgr_tile", "persistent_programs",
-           "programs_per_sm", "device_arch", "RESCONTROLLER", "MGR", "TILE_REGS"]
+           "programs_per_sm", "residency_key", "device_arch", "RESCONTROLLER", "MGR", "TILE_REGS"]
 
 
 class Launch(NamedTuple):
     """One kernel launch, as data (``benchmarks/kernels_aot.py`` compiles exactly these ahead of time):
-    ``kernel[grid](*args, **meta)``."""
+    ``kernel[grid](*args, **meta)``; ``residency``: the key under which a persistent kernel records the programs
+    per SM its compiled binary allows (:func:`persistent_programs` sizes later grids from it)."""
     kernel: object
     grid: tuple
     args: tuple
     meta: dict
+    residency: Optional[tuple] = None
 
     def run(self) -> None:
-        self.kernel[self.grid](*self.args, **self.meta)
+        compiled = self.kernel[self.grid](*self.args, **self.meta)
+        if self.residency is not None and self.residency not in _COMPILED_RESIDENCY:
+            _record_residency(self.residency, compiled)
 
 
 class RowTile(NamedTuple):
@@ -194,21 +198,46 @@ def device_arch(device: torch.device) -> Optional[int]:
     return _cuda_arch(device.index) if device.type == "cuda" else None
 
 
-def programs_per_sm(num_warps: int, max_regs: int) -> int:
-    """Programs of ``num_warps`` warps with ``max_regs`` registers per thread that one SM holds at once: 64K
-    registers allocated per warp in units of 256, at most 64 warps and 32 programs (sm_80 / sm_90). ptxas keeps a
-    program within its ``maxnreg``, so this is what is resident at most registers (shared memory never binds
-    first for these tiles: ``benchmarks/kernels_aot.py`` checks it)."""
+def programs_per_sm(num_warps: int, max_regs: int, shared: int = 0, shared_per_sm: Optional[int] = None) -> int:
+    """Programs of ``num_warps`` warps with ``max_regs`` registers per thread (and ``shared`` bytes of shared
+    memory, 1 KiB more reserved per program, of ``shared_per_sm``) that one SM holds at once: 64K registers
+    allocated per warp in units of 256, at most 64 warps and 32 programs (sm_80 / sm_90). ptxas keeps a program
+    within its ``maxnreg``, so at the limit this is what is resident at most registers."""
     regs_per_warp = triton.cdiv(max_regs * 32, REGISTER_UNIT) * REGISTER_UNIT
     by_regs = REGISTERS_PER_SM // regs_per_warp // num_warps
-    return max(1, min(by_regs, WARPS_PER_SM // num_warps, PROGRAMS_PER_SM))
+    by_shared = shared_per_sm // (shared + 1024) if shared_per_sm else PROGRAMS_PER_SM
+    return max(1, min(by_regs, by_shared, WARPS_PER_SM // num_warps, PROGRAMS_PER_SM))
 
 
-def persistent_programs(items: int, tile: StreamTile, device: torch.device, min_items: int = 1) -> int:
+#: Programs per SM of compiled persistent kernels (their registers and shared memory), by residency key.
+_COMPILED_RESIDENCY: dict = {}
+
+
+def residency_key(kernel, device: torch.device, meta: dict) -> Optional[tuple]:
+    """The key of a persistent kernel's compiled residency on a CUDA ``device`` (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return (kernel, device.index, tuple(sorted((k, repr(v)) for k, v in meta.items())))
+
+
+def _record_residency(key: tuple, compiled) -> None:
+    """Record the programs per SM the compiled kernel allows (its ``n_regs`` and shared memory)."""
+    n_regs = getattr(compiled, "n_regs", None)
+    if not n_regs:
+        return
+    props = torch.cuda.get_device_properties(key[1])
+    _COMPILED_RESIDENCY[key] = programs_per_sm(compiled.metadata.num_warps, n_regs, compiled.metadata.shared,
+                                               getattr(props, "shared_memory_per_multiprocessor", None))
+
+
+def persistent_programs(items: int, tile: StreamTile, device: torch.device, min_items: int = 1,
+                        residency: Optional[tuple] = None) -> int:
     """Programs of a grid that loops over ``items`` (tokens) with ``tile``'s programs: as many as every SM holds
-    at once at the tile's warps and register limit (:func:`programs_per_sm`), each with at least ``min_items``
-    items (so per-program partial sums stay few); 4 off CUDA (the interpreter)."""
+    at once, each with at least ``min_items`` items (so per-program partial sums stay few); 4 off CUDA (the
+    interpreter). Resident programs: those the compiled kernel's registers and shared memory allow once it has
+    run (recorded under ``residency``, :func:`residency_key`), before that those of the tile's warps and register
+    limit (:func:`programs_per_sm`, never more than the compiled kernel allows)."""
     if device.type != "cuda":
         return max(1, min(items, 4))
-    resident = _sm_count(device.index) * programs_per_sm(tile.num_warps, tile.max_regs)
-    return max(1, min(resident, triton.cdiv(items, min_items)))
+    per_sm = _COMPILED_RESIDENCY.get(residency) or programs_per_sm(tile.num_warps, tile.max_regs)
+    return max(1, min(_sm_count(device.index) * per_sm, triton.cdiv(items, min_items)))

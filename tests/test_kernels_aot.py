@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -82,6 +83,34 @@ def test_persistent_grid_is_what_the_sms_hold(monkeypatch):
     assert grid(1, 32) == 32 * 132  # 32 programs per SM at most
     assert grid(4, 128, items=100) == 100 and grid(4, 128, items=100, min_items=8) == 13
     assert tiles.persistent_programs(100, tiles.StreamTile(2, 1024, True, 4, 128), torch.device("cpu")) == 4
+
+
+def test_persistent_grid_follows_the_compiled_kernel(monkeypatch):
+    """Once a persistent kernel has run, later grids launch what its compiled binary's registers and shared memory
+    let an SM hold (hand-computed as above, 228 KiB of shared memory with 1 KiB reserved per program), not what the
+    tile's register limit does."""
+    tiles = kernel_module("tiles")
+    monkeypatch.setattr(tiles, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(tiles, "_COMPILED_RESIDENCY", {})
+    monkeypatch.setattr(tiles.torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(shared_memory_per_multiprocessor=228 * 1024))
+    cuda = torch.device("cuda", 0)
+    tile = tiles.StreamTile(2, 256, True, 1, 128)
+
+    class Kernel:  # stands in for a JIT function: kernel[grid](...) launches and returns the compiled kernel
+        def __init__(self, regs, shared):
+            self.compiled = SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(num_warps=1, shared=shared))
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: self.compiled
+
+    for regs, shared, per_sm in [(64, 0, 32), (96, 0, 21), (64, 100 * 1024, 2)]:
+        kernel = Kernel(regs, shared)
+        key = tiles.residency_key(kernel, cuda, {"BLOCK_C": 256, "maxnreg": 128})
+        assert tiles.persistent_programs(10 ** 6, tile, cuda, residency=key) == 16 * 132  # at the limit: 16
+        tiles.Launch(kernel, (16 * 132,), (), {}, key).run()
+        assert tiles.persistent_programs(10 ** 6, tile, cuda, residency=key) == per_sm * 132, (regs, shared)
+    assert tiles.residency_key(Kernel(64, 0), torch.device("cpu"), {}) is None
 
 
 def test_load_widths_follow_the_pointer_arguments():
