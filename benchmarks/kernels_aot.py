@@ -3,8 +3,12 @@ machine (no GPU needed: Triton's CUDA backend and the ptxas inside the triton wh
 
 One line per variant: the tile and warps the launch code chose (taken from the kernels' own launch functions,
 so the table cannot drift from what runs), registers per thread, spilled bytes, shared memory, theoretical
-occupancy, the widest global load (bits) and fp64 instructions from the PTX, and the bytes the kernel moves per
-row (per token for MGR) against the rule's minimum. A summary line ends the table.
+occupancy, the widest global load (bits), the narrowest load of any feature vector (``vec``: each load of the
+PTX attributed to the pointer argument its address derives from; every one should be 128 bits, kernels/tiles.py)
+and fp64 instructions from the PTX, the bytes the kernel moves per row (per token for MGR) against the rule's
+minimum, and for MGR's persistent grids the programs per SM the launch code sizes the first launch for (the
+tile's register limit; later launches use the compiled kernel's residency) against those resident at the
+compiled registers and shared memory (``grid a/b``: a must not exceed b). A summary line ends the table.
 
 Everything here is compiler output and a model of the hardware, not a GPU measurement:
 
@@ -13,9 +17,10 @@ Everything here is compiler output and a model of the hardware, not a GPU measur
   shared memory (+1 KiB reserved per block; 164 KiB per SM on sm_80, 228 KiB on sm_90), 32 blocks and 64
   warps per SM;
 * bytes moved: every global load and store of the kernel counted while it runs in Triton's interpreter on a
-  few rows (masked-off lanes not counted), split into the row tensors (the rule's inputs and outputs) and the
-  rest (parameter vectors, per-program partial sums); the minimum reads every row input once and writes every
-  row output once (ResController: 3C forward, 5C backward; MGR: see ``kernels/mgr.py``).
+  few rows (masked-off lanes not counted; lanes of one load at the same address counted once), split into the
+  row tensors (the rule's inputs and outputs) and the rest (parameter vectors, per-program partial sums); the
+  minimum reads every row input once and writes every row output once (ResController: 3C forward, 5C
+  backward; MGR: see ``kernels/mgr.py``).
 
 Usage::
 
@@ -103,9 +108,10 @@ def _torch_dtype(name: str):
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[name]
 
 
-def build(v: Variant, rows: int, device: str):
+def build(v: Variant, rows: int, device: str, arch: Optional[int] = None):
     """``(launches, run)`` of variant ``v`` on ``rows`` rows (tokens): the kernel launches the launch code makes
-    for these tensors, and a function that runs the public op (for the byte count)."""
+    for these tensors on target ``arch`` (compute capability), and a function that runs the public op (for the
+    byte count)."""
     import torch
 
     from lightning_resctl._triton import kernel_module
@@ -123,9 +129,9 @@ def build(v: Variant, rows: int, device: str):
         r, u, g = rand(rows, v.c), rand(rows, v.c), rand(rows, v.c)
         opts = (0.18, 1.08, 8.0, 8.0, 1e-12)
         if v.direction == "fwd":
-            launches = [k.forward_launch(r, u, torch.empty_like(r), opts)]
+            launches = [k.forward_launch(r, u, torch.empty_like(r), opts, arch)]
             return launches, lambda: k.rescontroller_fwd(r, u, *opts)
-        launches = [k.backward_launch(g, r, u, torch.empty_like(r), torch.empty_like(u), opts)]
+        launches = [k.backward_launch(g, r, u, torch.empty_like(r), torch.empty_like(u), opts, arch)]
         return launches, lambda: k.rescontroller_bwd(g, r, u, *opts)
     k = kernel_module("mgr")
     gated = v.kind != "accumulating"
@@ -141,13 +147,13 @@ def build(v: Variant, rows: int, device: str):
         outs = (torch.empty(rows, v.n, v.c, dtype=dt, device=streams.device), torch.empty_like(u),
                 torch.empty(rows, m if gated else 0, dtype=f32, device=streams.device),
                 torch.empty(rows, v.n, dtype=f32, device=streams.device))
-        launches = [k.forward_launch(streams, u, w, q, cb, fb, eps, *outs)]
+        launches = [k.forward_launch(streams, u, w, q, cb, fb, eps, *outs, arch=arch)]
         return launches, lambda: k.mgr_step(streams, u, w, q, cb, fb, eps)
     beta = rand(rows, m if gated else 0, dtype=f32).softmax(-1) if gated else None
     a = rand(rows, v.n, dtype=f32).softmax(-1)
     grad_out, grad_h = rand(rows, v.n, v.c), rand(rows, v.c)
     launch, _ = k.backward_launch(streams, u, beta, a, w, q, fb, grad_out, grad_h, eps,
-                                  torch.empty_like(streams), torch.empty_like(u))
+                                  torch.empty_like(streams), torch.empty_like(u), arch=arch)
     return [launch], lambda: k.mgr_step_backward_raw(streams, u, beta, a, w, q, cb, fb, grad_out, grad_h, eps)
 
 
@@ -205,8 +211,73 @@ def compile_launch(launch, cap: int) -> dict:
     stack = int(re.search(r"(\d+) bytes stack frame", log).group(1))
     widths = [(int(vec or 1)) * int(bits)
               for vec, bits in re.findall(r"ld\.global(?:\.[a-z_]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b", ptx)]
+    args = [name for name, ty in signature.items() if ty != "constexpr"]
     return dict(regs=regs, spill=spills, stack=stack, smem=int(compiled.metadata.shared), warps=options.num_warps,
-                ld_bits=max(widths, default=0), f64=len(re.findall(r"\.f64\b", ptx)))
+                ld_bits=max(widths, default=0), loads=load_widths(ptx, args), f64=len(re.findall(r"\.f64\b", ptx)))
+
+
+_PTX_INSTR = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)\s+(.*?);")
+_PTX_REG = re.compile(r"%[a-z]+\d+")
+_PTX_LD_GLOBAL = re.compile(r"^ld\.global(?:\.[a-z_]+)*?(?:\.v(\d))?\.[bfsu](\d+)$")
+
+
+def load_widths(ptx: str, args: list) -> dict:
+    """``{argument: sorted global load widths (bits)}``: every ``ld.global`` of the PTX attributed to the pointer
+    argument(s) its address derives from (the registers' data flow back to ``ld.param`` of a ``.ptr``
+    parameter; ``args``: the kernel's non-constexpr arguments in order, the PTX parameters' order)."""
+    pointers = {int(i) for i in re.findall(r"\.param \.u64 \.ptr[^\n]*_param_(\d+)", ptx)}
+    deps: dict = {}
+    origin: dict = {}
+    loads = []
+    for line in ptx.splitlines():
+        m = _PTX_INSTR.match(line)
+        if not m:
+            continue
+        op, rest = m.groups()
+        regs = _PTX_REG.findall(rest)
+        if op.startswith("ld.param"):
+            param = re.search(r"_param_(\d+)\s*\]", rest)
+            if param and regs and int(param.group(1)) in pointers:
+                origin[regs[0]] = int(param.group(1))
+        elif _PTX_LD_GLOBAL.match(op):
+            vec, bits = _PTX_LD_GLOBAL.match(op).groups()
+            addr = re.search(r"\[\s*(%[a-z]+\d+)", rest)
+            loads.append((int(vec or 1) * int(bits), addr.group(1) if addr else None))
+        elif regs and not rest.startswith("{"):
+            deps.setdefault(regs[0], set()).update(regs[1:])
+    out: dict = {}
+    for bits, reg in loads:
+        seen, stack, params = set(), [reg], set()
+        while stack:
+            r = stack.pop()
+            if r is None or r in seen:
+                continue
+            seen.add(r)
+            if r in origin:
+                params.add(origin[r])
+            stack.extend(deps.get(r, ()))
+        for p in params or {None}:
+            out.setdefault(args[p] if p is not None and p < len(args) else "?", set()).add(bits)
+    return {name: sorted(bits) for name, bits in out.items()}
+
+
+#: The load width every thread should get of each feature vector (kernels/tiles.py), and the shortest vector
+#: (bytes) held for it: one warp's 32 threads x 16 bytes; shorter rows (C < 256 in bf16) have fewer bytes than
+#: a warp has threads x 16 and are not held to it.
+VECTOR_BITS = 128
+VECTOR_MIN_BYTES = 32 * 16
+
+
+def feature_load_bits(launch, loads: dict, c: int) -> dict:
+    """``{argument: narrowest global load (bits)}`` of the launch's feature-vector tensors (last dim ``c``:
+    streams, u, w, q, dS', dh, the parameter-gradient partials) whose rows are at least VECTOR_MIN_BYTES long."""
+    names = [n for n in launch.kernel.arg_names if n not in launch.meta]
+    out = {}
+    for name, arg in zip(names, launch.args):
+        if (hasattr(arg, "shape") and arg.dim() > 0 and arg.shape[-1] == c and name in loads
+                and c * arg.element_size() >= VECTOR_MIN_BYTES):
+            out[name] = min(loads[name])
+    return out
 
 
 def occupancy(regs: int, smem: int, warps: int, cap: int) -> float:
@@ -220,13 +291,24 @@ def occupancy(regs: int, smem: int, warps: int, cap: int) -> float:
 
 
 def aot_job(v: Variant, cap: int) -> dict:
+    from lightning_resctl._triton import kernel_module
+
     t0 = time.perf_counter()
     try:
-        launches, _ = build(v, 4096, "meta")
+        launches, _ = build(v, 4096, "meta", cap)
         stats = [compile_launch(launch, cap) for launch in launches]
+        for launch, s in zip(launches, stats):
+            s["vector_bits"] = feature_load_bits(launch, s["loads"], v.c)
         st = max(stats, key=lambda s: s["regs"])
+        st["vector_bits"] = {k: b for s in stats for k, b in s["vector_bits"].items()}
         st["spill"] = sum(s["spill"] for s in stats)
         st["occupancy"] = min(occupancy(s["regs"], s["smem"], s["warps"], cap) for s in stats)
+        if v.rule == "mgr":  # persistent grids: the programs per SM the launch code sizes them for vs resident
+            tiles = kernel_module("tiles")
+            st["grid_per_sm"] = max(tiles.programs_per_sm(launch.meta["num_warps"], launch.meta["maxnreg"])
+                                    for launch in launches)
+            st["resident_per_sm"] = min(round(occupancy(s["regs"], s["smem"], s["warps"], cap) * SM[cap]["warps"])
+                                        // s["warps"] for s in stats)
         st["tile"] = ", ".join(tile_of(launch) for launch in launches)
         st["error"] = None
     except Exception as e:  # reported per variant, counted in the summary
@@ -251,7 +333,9 @@ def count_bytes(v: Variant, rows: int = COUNT_ROWS) -> dict:
     orig = (builder.create_masked_load, builder.create_masked_store, executor.__call__)
 
     def account(ptrs, mask, nbytes):
-        addr = np.asarray(ptrs.data).reshape(-1)[np.asarray(mask.data, dtype=bool).reshape(-1)]
+        # distinct addresses: lanes of one load that read the same element (a feature vector broadcast over a
+        # tile's rows, kernels/mgr.py ``_vector``) are one read of memory
+        addr = np.unique(np.asarray(ptrs.data).reshape(-1)[np.asarray(mask.data, dtype=bool).reshape(-1)])
         for entry in tensors:
             entry[3] += int(((addr >= entry[0]) & (addr < entry[1])).sum()) * nbytes
 
@@ -377,7 +461,7 @@ def main(argv=None) -> int:
         compiled = {key: f.result() for key, f in aot.items()}
     rows = []
     header = (f"{'variant':<46} {'arch':<5} {'tile':<20} {'warps':>5} {'regs':>4} {'spill':>5} {'smem':>6} "
-              f"{'occ':>5} {'ld':>4} {'f64':>3}  bytes/row (x C elt): moved / min, other")
+              f"{'occ':>5} {'ld':>4} {'vec':>4} {'f64':>3}  bytes/row (x C elt): moved / min, other")
     print("AOT compile of the launch table (compiler output and an occupancy model, not a GPU measurement)")
     print(header)
     for v in vs:
@@ -396,13 +480,29 @@ def main(argv=None) -> int:
             else:
                 btxt = "-"
             print(f"{v.label():<46} sm_{cap:<2} {st['tile']:<20} {st['warps']:>5} {st['regs']:>4} {st['spill']:>5} "
-                  f"{st['smem']:>6} {st['occupancy']:>5.0%} {st['ld_bits']:>4} {st['f64']:>3}  {btxt}")
+                  f"{st['smem']:>6} {st['occupancy']:>5.0%} {st['ld_bits']:>4} {vector_text(st):>4} {st['f64']:>3}  "
+                  f"{btxt}{grid_text(st)}{narrow_text(st)}")
     summary = summarize(rows, vs, counted, args)
     print(summary["line"])
     print(f"({time.perf_counter() - start:.0f} s, {args.jobs} jobs)")
     if args.json:
         args.json.write_text(json.dumps(dict(rows=rows, summary=summary), indent=1))
     return 0 if summary["ok"] else 1
+
+
+def vector_text(st: dict) -> str:
+    """The narrowest feature-vector load of a variant (bits), '-' when none is held to VECTOR_BITS."""
+    return str(min(st["vector_bits"].values())) if st["vector_bits"] else "-"
+
+
+def grid_text(st: dict) -> str:
+    """Persistent grids: programs per SM launched / resident (from the compiled registers, shared memory)."""
+    return f"  grid {st['grid_per_sm']}/{st['resident_per_sm']} per SM" if "grid_per_sm" in st else ""
+
+
+def narrow_text(st: dict) -> str:
+    narrow = {k: b for k, b in st["vector_bits"].items() if b < VECTOR_BITS}
+    return "  narrow loads: " + ", ".join(f"{k} {b}" for k, b in narrow.items()) if narrow else ""
 
 
 def summarize(rows, vs, counted, args) -> dict:
@@ -416,6 +516,10 @@ def summarize(rows, vs, counted, args) -> dict:
     occ = [r["occupancy"] for r in ok_rows]
     low = sum(1 for o in occ if o < 0.25)
     fp64 = sum(1 for r in ok_rows if r["f64"] and r["variant"]["dtype"] != "fp64")
+    narrow = sum(1 for r in ok_rows if any(b < VECTOR_BITS for b in r["vector_bits"].values()))
+    persistent = [r for r in ok_rows if "grid_per_sm" in r]
+    overfull = sum(1 for r in persistent if r["grid_per_sm"] > r["resident_per_sm"])
+    underfull = sum(1 for r in persistent if r["grid_per_sm"] < r["resident_per_sm"])
     counts = [b for b in counted.values() if b and "error" not in b]
     count_failures = sum(1 for b in counted.values() if "error" in b)
     minimal = sum(1 for b in counts if b["moved"] <= b["minimum"] * (1 + 1e-9))
@@ -425,7 +529,11 @@ def summarize(rows, vs, counted, args) -> dict:
     archs = ", ".join(f"sm_{a}" for a in args.arch)
     line = (f"AOT summary ({archs}; {len(rows)} compiled variants): {failures} compile failures, {spilled} spilled "
             f"bytes ({spilling} variants), occupancy >= 25% in {len(occ) - low}/{len(occ)} (min "
-            f"{min(occ, default=float('nan')):.1%}), {fp64} with fp64 on a non-fp64 path")
+            f"{min(occ, default=float('nan')):.1%}), {fp64} with fp64 on a non-fp64 path, {narrow} with a "
+            f"feature-vector load under {VECTOR_BITS} bits")
+    if persistent:
+        line += (f"; persistent grids (first launch): {overfull}/{len(persistent)} launch more programs per SM than "
+                 f"are resident, {underfull} fewer")
     if tests_only:
         line += (f"; fp64 (tests only): {fp64_spilled} spilled bytes ({fp64_spilling} of {len(tests_only)} "
                  "variants), not counted above")
@@ -435,8 +543,9 @@ def summarize(rows, vs, counted, args) -> dict:
         if over:
             line += "; above the minimum: " + ", ".join(sorted({f"{r} {d} C>={min(c for rr, dd, c in over if (rr, dd) == (r, d))}"
                                                                  for r, d, _ in over}))
-    ok = failures == 0 and spilled == 0 and low == 0 and count_failures == 0
+    ok = failures == 0 and spilled == 0 and low == 0 and count_failures == 0 and narrow == 0 and overfull == 0
     return dict(line=line, ok=ok, failures=failures, spilled_bytes=spilled, fp64_spilled_bytes=fp64_spilled,
+                narrow_loads=narrow, overfull_grids=overfull,
                 low_occupancy=low,
                 min_occupancy=min(occ, default=None), minimal_bytes=minimal, counted=len(counts))
 

@@ -42,7 +42,7 @@ from torch import Tensor
 from lightning_resctl._triton import interpreter_mode
 
 from .rows import token_stride
-from .tiles import Launch, StreamTile, mgr_tile, persistent_programs
+from .tiles import Launch, StreamTile, device_arch, mgr_tile, persistent_programs, residency_key
 
 __all__ = ["mgr_step", "mgr_step_backward", "mgr_step_forward_raw", "mgr_step_backward_raw", "Launch",
            "forward_launch", "backward_launch"]
@@ -121,19 +121,29 @@ def _round(x, ty, ROUND: tl.constexpr):
 def _merged(s, u, beta, rows, M_IN: tl.constexpr, GATED: tl.constexpr):
     """The merge's output tile s': lerp toward u (gated), or u appended as stream M_IN (accumulating)."""
     if GATED:
-        sp = s + beta[:, None] * (u[None, :] - s)
+        sp = s + beta[:, None] * (u - s)
     else:
-        sp = tl.where((rows == M_IN)[:, None], u[None, :], s)
+        sp = tl.where((rows == M_IN)[:, None], u, s)
     return sp
 
 
 @triton.jit
-def _single_tile(cols, C, in_valid, out_valid, W, Q, GATED: tl.constexpr, DT: tl.constexpr):
+def _vector(ptr, rows, c, cmask, DT: tl.constexpr):
+    """Feature vector ``ptr[c]`` (u, w, q, dh) as a (rows x columns) tile, every row the same: loaded in the
+    stream tile's own layout, so each thread loads its columns at the tile's width (one 128-bit load per row it
+    holds; kernels/tiles.py) with no reshuffle through shared memory. The rows' lanes read the same addresses
+    (one memory transaction; the other warps' rows hit L1)."""
+    return tl.load(ptr + (rows * 0)[:, None] + c[None, :], mask=(rows >= 0)[:, None] & cmask[None, :],
+                   other=0.0).to(DT)
+
+
+@triton.jit
+def _single_tile(cols, C, rows, in_valid, out_valid, W, Q, GATED: tl.constexpr, DT: tl.constexpr):
     """A token in one tile: the column mask, the input and output tile masks, and the parameter vectors w, q
-    (read once per program)."""
+    (tiles, :func:`_vector`; read once per program)."""
     cmask = cols < C
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(DT)
-    q = tl.load(Q + cols, mask=cmask, other=0.0).to(DT) if GATED else w
+    w = _vector(W, rows, cols, cmask, DT)
+    q = _vector(Q, rows, cols, cmask, DT) if GATED else w
     return cmask, in_valid[:, None] & cmask[None, :], out_valid[:, None] & cmask[None, :], w, q
 
 
@@ -159,20 +169,20 @@ def _mgr_fwd_kernel(S, U, W, Q, CB, FB, OUT, H, BETA, A, T, C, s_st, s_sm, u_st,
         fb = 0.0
     zero64 = pid.to(tl.int64) * 0  # 64-bit token offsets (the loop variable is int32 when compiled)
     if SINGLE:
-        cmask, imask, omask, w, q = _single_tile(cols, C, in_valid, out_valid, W, Q, GATED, DT)
+        cmask, imask, omask, w, q = _single_tile(cols, C, rows, in_valid, out_valid, W, Q, GATED, DT)
         for t0 in range(pid, T, nprog):
             t = zero64 + t0
             s = tl.load(S + t * s_st + s_rows[:, None] + cols[None, :], mask=imask, other=0.0).to(DT)
-            u = tl.load(U + t * u_st + cols, mask=cmask, other=0.0).to(DT)
+            u = _vector(U + t * u_st, rows, cols, cmask, DT)
             beta = cb * 0.0
             if GATED:
-                beta = _gate_weights(tl.sum(s * s, axis=1), tl.sum(s * q[None, :], axis=1), cb, fb, in_valid, C,
+                beta = _gate_weights(tl.sum(s * s, axis=1), tl.sum(s * q, axis=1), cb, fb, in_valid, C,
                                      inv_sqrt_c, eps, COMPETITIVE)
                 tl.store(BETA + t * M_IN + rows, beta, mask=in_valid)
             sp = _merged(s, u, beta, rows, M_IN, GATED)
             tl.store(OUT + t * M_OUT * C + o_rows[:, None] + cols[None, :], sp.to(ty), mask=omask)
             sp = _round(sp, ty, ROUND)
-            a = _pool_weights(tl.sum(sp * sp, axis=1), tl.sum(sp * w[None, :], axis=1), out_valid, C, inv_sqrt_c,
+            a = _pool_weights(tl.sum(sp * sp, axis=1), tl.sum(sp * w, axis=1), out_valid, C, inv_sqrt_c,
                               eps)
             tl.store(A + t * M_OUT + rows, a, mask=out_valid)
             tl.store(H + t * C + cols, tl.sum(a[:, None] * sp, axis=0).to(ty), mask=cmask)
@@ -186,26 +196,26 @@ def _mgr_fwd_kernel(S, U, W, Q, CB, FB, OUT, H, BETA, A, T, C, s_st, s_sm, u_st,
             acc_b = cb * 0.0  # gated: Σs·w, accumulating: Σs'·w
             acc_q = cb * 0.0  # Σs·q
             acc_u = cb * 0.0  # Σs·u
-            uu = tl.sum(acc_a * 0.0, axis=0)
-            uw = tl.sum(acc_a * 0.0, axis=0)
+            uu = cb * 0.0  # Σu², Σu·w (every row the same)
+            uw = cb * 0.0
             for c0 in range(0, C, BLOCK_C):
                 cmask = c0 + cols < C
                 s = tl.load(s_tok[:, None] + (c0 + cols)[None, :], mask=in_valid[:, None] & cmask[None, :],
                             other=0.0).to(DT)
-                u = tl.load(u_tok + c0 + cols, mask=cmask, other=0.0).to(DT)
-                w = tl.load(W + c0 + cols, mask=cmask, other=0.0).to(DT)
+                u = _vector(u_tok, rows, c0 + cols, cmask, DT)
+                w = _vector(W, rows, c0 + cols, cmask, DT)
                 if GATED:
-                    q = tl.load(Q + c0 + cols, mask=cmask, other=0.0).to(DT)
+                    q = _vector(Q, rows, c0 + cols, cmask, DT)
                     acc_a += tl.sum(s * s, axis=1)
-                    acc_b += tl.sum(s * w[None, :], axis=1)
-                    acc_q += tl.sum(s * q[None, :], axis=1)
-                    acc_u += tl.sum(s * u[None, :], axis=1)
-                    uu += tl.sum(u * u, axis=0)
-                    uw += tl.sum(u * w, axis=0)
+                    acc_b += tl.sum(s * w, axis=1)
+                    acc_q += tl.sum(s * q, axis=1)
+                    acc_u += tl.sum(s * u, axis=1)
+                    uu += tl.sum(u * u, axis=1)
+                    uw += tl.sum(u * w, axis=1)
                 else:
                     sp = _merged(s, u, cb, rows, M_IN, GATED)
                     acc_a += tl.sum(sp * sp, axis=1)
-                    acc_b += tl.sum(sp * w[None, :], axis=1)
+                    acc_b += tl.sum(sp * w, axis=1)
             beta = cb * 0.0
             if GATED:
                 beta = _gate_weights(acc_a, acc_q, cb, fb, in_valid, C, inv_sqrt_c, eps, COMPETITIVE)
@@ -218,7 +228,7 @@ def _mgr_fwd_kernel(S, U, W, Q, CB, FB, OUT, H, BETA, A, T, C, s_st, s_sm, u_st,
                 cmask = c0 + cols < C
                 s = tl.load(s_tok[:, None] + (c0 + cols)[None, :], mask=in_valid[:, None] & cmask[None, :],
                             other=0.0).to(DT)
-                u = tl.load(u_tok + c0 + cols, mask=cmask, other=0.0).to(DT)
+                u = _vector(u_tok, rows, c0 + cols, cmask, DT)
                 sp = _merged(s, u, beta, rows, M_IN, GATED)
                 tl.store(OUT + t * M_OUT * C + o_rows[:, None] + (c0 + cols)[None, :], sp.to(ty),
                          mask=out_valid[:, None] & cmask[None, :])
@@ -244,17 +254,17 @@ def _bwd_tile_sums(s, u, g0, dh, w, q, beta, rows, M_IN: tl.constexpr, GATED: tl
     sp = _round(_merged(s, u, beta, rows, M_IN, GATED), ty, ROUND)
     if HAS_DH:
         pp = tl.sum(sp * sp, axis=1)
-        pw = tl.sum(sp * w[None, :], axis=1)
-        pd = tl.sum(sp * dh[None, :], axis=1)
+        pw = tl.sum(sp * w, axis=1)
+        pd = tl.sum(sp * dh, axis=1)
     if GATED:
         ss = tl.sum(s * s, axis=1)
-        sq = tl.sum(s * q[None, :], axis=1)
-        lerp = u[None, :] - s
+        sq = tl.sum(s * q, axis=1)
+        lerp = u - s
         if HAS_DOUT:
             gd = tl.sum(g0 * lerp, axis=1)
         if HAS_DH:
-            hd = tl.sum(dh[None, :] * lerp, axis=1)
-            wd = tl.sum(w[None, :] * lerp, axis=1)
+            hd = tl.sum(dh * lerp, axis=1)
+            wd = tl.sum(w * lerp, axis=1)
             pl = tl.sum(sp * lerp, axis=1)
     return pp, pw, pd, ss, sq, gd, hd, wd, pl
 
@@ -267,11 +277,11 @@ def _bwd_tile_grads(s, u, g0, dh, w, q, beta, a, coef, k, cz, kq, rows, M_IN: tl
     g = g0 if HAS_DOUT else s * 0.0
     dw = tl.sum(sp * 0.0, axis=0)
     if HAS_DH:
-        g = g + a[:, None] * dh[None, :] + coef[:, None] * w[None, :] - k[:, None] * sp
+        g = g + a[:, None] * dh + coef[:, None] * w - k[:, None] * sp
         dw = tl.sum(coef[:, None] * sp, axis=0)
     if GATED:
         du = tl.sum(beta[:, None] * g, axis=0)
-        ds = (1.0 - beta)[:, None] * g + cz[:, None] * q[None, :] - kq[:, None] * s
+        ds = (1.0 - beta)[:, None] * g + cz[:, None] * q - kq[:, None] * s
         dq = tl.sum(cz[:, None] * s, axis=0)
     else:
         du = tl.sum(tl.where((rows == M_IN)[:, None], g, 0.0), axis=0)
@@ -300,18 +310,26 @@ def _bwd_coefficients(a, beta, pp, pw, pd, ss, sq, gd, hd, wd, pl, C, inv_sqrt_c
 
 
 @triton.jit
-def _bwd_tile_loads(s_tok, u_tok, do_tok, dh_tok, W, Q, c, cmask, in_valid, out_valid, GATED: tl.constexpr,
+def _bwd_tile_loads(s_tok, u_tok, do_tok, dh_tok, W, Q, c, cmask, rows, in_valid, out_valid, GATED: tl.constexpr,
                     HAS_DOUT: tl.constexpr, HAS_DH: tl.constexpr, DT: tl.constexpr):
     """Columns ``c`` of one token's backward inputs: s, u, w, q, dS' and dh (what is absent: a placeholder,
     not read)."""
     s = tl.load(s_tok[:, None] + c[None, :], mask=in_valid[:, None] & cmask[None, :], other=0.0).to(DT)
-    u = tl.load(u_tok + c, mask=cmask, other=0.0).to(DT)
-    w = tl.load(W + c, mask=cmask, other=0.0).to(DT)
-    q = tl.load(Q + c, mask=cmask, other=0.0).to(DT) if GATED else w
+    u = _vector(u_tok, rows, c, cmask, DT)
+    w = _vector(W, rows, c, cmask, DT)
+    q = _vector(Q, rows, c, cmask, DT) if GATED else w
     g0 = (tl.load(do_tok[:, None] + c[None, :], mask=out_valid[:, None] & cmask[None, :], other=0.0).to(DT)
           if HAS_DOUT else s)
-    dh = tl.load(dh_tok + c, mask=cmask, other=0.0).to(DT) if HAS_DH else u
+    dh = _vector(dh_tok, rows, c, cmask, DT) if HAS_DH else u
     return s, u, w, q, g0, dh
+
+
+@triton.jit
+def _add_partial(row, value, rows, c, keep, cmask):
+    """``row[c] = value (+ row[c] where keep)``: a parameter-gradient partial accumulated in place, read and
+    written in the stream tile's layout (:func:`_vector`; the store from the tile's first row only)."""
+    acc = _vector(row, rows, c, keep, value.dtype) + value[None, :]
+    tl.store(row + (rows * 0)[:, None] + c[None, :], acc, mask=(rows == 0)[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -335,18 +353,18 @@ def _mgr_bwd_kernel(S, U, BETA, A, W, Q, DOUT, DH, DS, DU, DQP, DWP, DCP, DFP, T
     p64 = pid.to(tl.int64)
     zero64 = p64 * 0  # 64-bit token offsets (the loop variable is int32 when compiled)
     if SINGLE:
-        cmask, imask, omask, w, q = _single_tile(cols, C, in_valid, out_valid, W, Q, GATED, DT)
+        cmask, imask, omask, w, q = _single_tile(cols, C, rows, in_valid, out_valid, W, Q, GATED, DT)
         dw_acc = tl.zeros([BLOCK_C], dtype=DT)
         dq_acc = tl.zeros([BLOCK_C], dtype=DT)
         for t0 in range(pid, T, nprog):
             t = zero64 + t0
             s = tl.load(S + t * s_st + s_rows[:, None] + cols[None, :], mask=imask, other=0.0).to(DT)
-            u = tl.load(U + t * u_st + cols, mask=cmask, other=0.0).to(DT)
+            u = _vector(U + t * u_st, rows, cols, cmask, DT)
             beta = tl.load(BETA + t * M_IN + rows, mask=in_valid, other=0.0).to(DT) if GATED else dc_acc
             a = tl.load(A + t * M_OUT + rows, mask=out_valid, other=0.0).to(DT)
             g0 = (tl.load(DOUT + t * do_st + do_rows[:, None] + cols[None, :], mask=omask, other=0.0).to(DT)
                   if HAS_DOUT else s)
-            dh = tl.load(DH + t * dh_st + cols, mask=cmask, other=0.0).to(DT) if HAS_DH else u
+            dh = _vector(DH + t * dh_st, rows, cols, cmask, DT) if HAS_DH else u
             pp, pw, pd, ss, sq, gd, hd, wd, pl = _bwd_tile_sums(s, u, g0, dh, w, q, beta, rows, M_IN, GATED,
                                                                 HAS_DOUT, HAS_DH, ROUND, ty)
             coef, k, dz, df, cz, kq = _bwd_coefficients(a, beta, pp, pw, pd, ss, sq, gd, hd, wd, pl, C, inv_sqrt_c,
@@ -385,7 +403,7 @@ def _mgr_bwd_kernel(S, U, BETA, A, W, Q, DOUT, DH, DS, DU, DQP, DWP, DCP, DFP, T
             for c0 in range(0, C, BLOCK_C):
                 c = c0 + cols
                 cmask = c < C
-                s, u, w, q, g0, dh = _bwd_tile_loads(s_tok, u_tok, do_tok, dh_tok, W, Q, c, cmask, in_valid,
+                s, u, w, q, g0, dh = _bwd_tile_loads(s_tok, u_tok, do_tok, dh_tok, W, Q, c, cmask, rows, in_valid,
                                                      out_valid, GATED, HAS_DOUT, HAS_DH, DT)
                 pp_, pw_, pd_, ss_, sq_, gd_, hd_, wd_, pl_ = _bwd_tile_sums(s, u, g0, dh, w, q, beta, rows, M_IN,
                                                                              GATED, HAS_DOUT, HAS_DH, ROUND, ty)
@@ -406,7 +424,7 @@ def _mgr_bwd_kernel(S, U, BETA, A, W, Q, DOUT, DH, DS, DU, DQP, DWP, DCP, DFP, T
             for c0 in range(0, C, BLOCK_C):
                 c = c0 + cols
                 cmask = c < C
-                s, u, w, q, g0, dh = _bwd_tile_loads(s_tok, u_tok, do_tok, dh_tok, W, Q, c, cmask, in_valid,
+                s, u, w, q, g0, dh = _bwd_tile_loads(s_tok, u_tok, do_tok, dh_tok, W, Q, c, cmask, rows, in_valid,
                                                      out_valid, GATED, HAS_DOUT, HAS_DH, DT)
                 ds, du, dw, dq = _bwd_tile_grads(s, u, g0, dh, w, q, beta, a, coef, k, cz, kq, rows, M_IN, GATED,
                                                  HAS_DOUT, HAS_DH, ROUND, ty)
@@ -415,11 +433,9 @@ def _mgr_bwd_kernel(S, U, BETA, A, W, Q, DOUT, DH, DS, DU, DQP, DWP, DCP, DFP, T
                 tl.store(DU + t * C + c, du.to(ty), mask=cmask)
                 keep = cmask & (c * 0 + t > p64)  # the first token of the program starts its rows
                 if HAS_DH:
-                    dw += tl.load(DWP + p64 * C + c, mask=keep, other=0.0)
-                    tl.store(DWP + p64 * C + c, dw, mask=cmask)
+                    _add_partial(DWP + p64 * C, dw, rows, c, keep, cmask)
                 if GATED:
-                    dq += tl.load(DQP + p64 * C + c, mask=keep, other=0.0)
-                    tl.store(DQP + p64 * C + c, dq, mask=cmask)
+                    _add_partial(DQP + p64 * C, dq, rows, c, keep, cmask)
     if GATED:
         tl.store(DCP + p64 * BLOCK_M + rows, dc_acc)
         tl.store(DFP + p64 * BLOCK_M + rows, df_acc)
@@ -479,21 +495,24 @@ def _meta(tile: StreamTile, m: int, m_out: int, gated: bool, competitive: bool, 
 
 def forward_launch(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
                    gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], eps: float,
-                   out: Tensor, h: Tensor, beta: Tensor, a: Tensor) -> Launch:
-    """The forward kernel's launch writing ``out, h, beta, a`` (contiguous, shapes of :func:`mgr_step`)."""
+                   out: Tensor, h: Tensor, beta: Tensor, a: Tensor, arch: Optional[int] = None) -> Launch:
+    """The forward kernel's launch writing ``out, h, beta, a`` (contiguous, shapes of :func:`mgr_step`) for
+    target ``arch`` (compute capability; None: the streams' device's)."""
     lead, m, c, m_out, gated, cd = _layout(streams, gate_query)
+    arch = arch if arch is not None else device_arch(streams.device)
     t = math.prod(lead)
     s2, s_st, s_sm = _stream_view(streams, len(lead))
     u2, u_st = _token_view(u, len(lead))
-    tile = mgr_tile(c, m_out, streams.element_size(), "forward")
+    tile = mgr_tile(c, m_out, streams.element_size(), "forward", gated, arch)
     w = next_query.contiguous()
     q = gate_query.contiguous() if gated else w
     cb = gate_bias.contiguous() if gated else w
     fb = forget_bias.reshape(1).contiguous() if forget_bias is not None else w
-    programs = persistent_programs(t, tile.num_warps, streams.device)
+    meta = _meta(tile, m, m_out, gated, forget_bias is not None, streams, cd)
+    key = residency_key(_mgr_fwd_kernel, streams.device, meta)
+    programs = persistent_programs(t, tile, streams.device, residency=key)
     return Launch(_mgr_fwd_kernel, (programs,),
-                  (s2, u2, w, q, cb, fb, out, h, beta, a, t, c, s_st, s_sm, u_st, 1.0 / math.sqrt(c), eps),
-                  _meta(tile, m, m_out, gated, forget_bias is not None, streams, cd))
+                  (s2, u2, w, q, cb, fb, out, h, beta, a, t, c, s_st, s_sm, u_st, 1.0 / math.sqrt(c), eps), meta, key)
 
 
 def _fwd_impl(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
@@ -520,9 +539,12 @@ class _Partials(NamedTuple):
 
 def backward_launch(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_query: Tensor,
                     gate_query: Optional[Tensor], forget_bias: Optional[Tensor], grad_out: Optional[Tensor],
-                    grad_h: Optional[Tensor], eps: float, ds: Tensor, du: Tensor) -> tuple[Launch, _Partials]:
-    """The backward kernel's launch writing ``ds, du`` (contiguous) and the partials it allocates."""
+                    grad_h: Optional[Tensor], eps: float, ds: Tensor, du: Tensor,
+                    arch: Optional[int] = None) -> tuple[Launch, _Partials]:
+    """The backward kernel's launch writing ``ds, du`` (contiguous) and the partials it allocates, for target
+    ``arch`` (compute capability; None: the streams' device's)."""
     lead, m, c, m_out, gated, cd = _layout(streams, gate_query)
+    arch = arch if arch is not None else device_arch(streams.device)
     t = math.prod(lead)
     nl = len(lead)
     s2, s_st, s_sm = _stream_view(streams, nl)
@@ -531,8 +553,11 @@ def backward_launch(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_qu
     a2 = a.contiguous()
     go, go_st, go_sm = _stream_view(grad_out, nl) if grad_out is not None else (s2, 0, 0)
     gh, gh_st = _token_view(grad_h, nl) if grad_h is not None else (u2, 0)
-    tile = mgr_tile(c, m_out, streams.element_size(), "backward")
-    p = persistent_programs(t, tile.num_warps, streams.device, MIN_TOKENS_PER_PROGRAM)
+    tile = mgr_tile(c, m_out, streams.element_size(), "backward", gated, arch)
+    meta = dict(_meta(tile, m, m_out, gated, forget_bias is not None, streams, cd), HAS_DOUT=grad_out is not None,
+                HAS_DH=grad_h is not None)
+    key = residency_key(_mgr_bwd_kernel, streams.device, meta)
+    p = persistent_programs(t, tile, streams.device, MIN_TOKENS_PER_PROGRAM, key)
     dev = streams.device
     parts = _Partials(torch.empty((p, c), dtype=cd, device=dev) if grad_h is not None else None,
                       torch.empty((p, c), dtype=cd, device=dev) if gated else None,
@@ -544,9 +569,7 @@ def backward_launch(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_qu
     launch = Launch(_mgr_bwd_kernel, (p,),
                     (s2, u2, beta2, a2, w, q, go, gh, ds, du,
                      *(x if x is not None else placeholder for x in (parts.dq, parts.dw, parts.dc, parts.df)),
-                     t, c, s_st, s_sm, u_st, go_st, go_sm, gh_st, 1.0 / math.sqrt(c), eps),
-                    dict(_meta(tile, m, m_out, gated, forget_bias is not None, streams, cd),
-                         HAS_DOUT=grad_out is not None, HAS_DH=grad_h is not None))
+                     t, c, s_st, s_sm, u_st, go_st, go_sm, gh_st, 1.0 / math.sqrt(c), eps), meta, key)
     return launch, parts
 
 

@@ -40,7 +40,7 @@ from torch import Tensor
 from lightning_resctl._triton import interpreter_mode
 
 from .rows import row_grid
-from .tiles import Launch, RowTile, rescontroller_tile
+from .tiles import Launch, RowTile, device_arch, rescontroller_tile
 
 __all__ = ["rescontroller_fwd", "rescontroller_bwd", "Launch", "forward_launch", "backward_launch"]
 
@@ -323,19 +323,27 @@ def _launch(kernel, tensors, n_cols, opts, tile: RowTile, grid) -> Launch:
                   (*tensors, grid.inner, n_cols, *strides, *opts), meta)
 
 
-def forward_launch(residual: Tensor, update: Tensor, out: Tensor, opts) -> Launch:
-    """The forward kernel's launch for ``(*lead, C)`` tensors (any strides)."""
+def _arch(arch, t: Tensor):
+    return arch if arch is not None else device_arch(t.device)
+
+
+def forward_launch(residual: Tensor, update: Tensor, out: Tensor, opts, arch=None) -> Launch:
+    """The forward kernel's launch for ``(*lead, C)`` tensors (any strides) for target ``arch`` (compute
+    capability; None: the tensors' device's)."""
     (residual, update, out), grid = _rows(residual, update, out)
     return _launch(_fwd_kernel, (residual, update, out), residual.shape[-1], opts,
-                   rescontroller_tile(residual.shape[-1], _elem_bytes(residual, update), "forward"), grid)
+                   rescontroller_tile(residual.shape[-1], _elem_bytes(residual, update), "forward",
+                                      _arch(arch, residual)), grid)
 
 
 def backward_launch(grad_out: Tensor, residual: Tensor, update: Tensor, grad_r: Tensor, grad_u: Tensor,
-                    opts) -> Launch:
-    """The backward kernel's launch for ``(*lead, C)`` tensors (any strides)."""
+                    opts, arch=None) -> Launch:
+    """The backward kernel's launch for ``(*lead, C)`` tensors (any strides) for target ``arch`` (compute
+    capability; None: the tensors' device's)."""
     tensors, grid = _rows(grad_out, residual, update, grad_r, grad_u)
     return _launch(_bwd_kernel, tensors, residual.shape[-1], opts,
-                   rescontroller_tile(residual.shape[-1], _elem_bytes(*tensors[:3]), "backward"), grid)
+                   rescontroller_tile(residual.shape[-1], _elem_bytes(*tensors[:3]), "backward",
+                                      _arch(arch, residual)), grid)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,16 +7,22 @@ variant spills and every one keeps >= 25 % theoretical occupancy.
 **fp64 runs are for tests only** (the comparisons with the fp64 oracles). fp64 launches take fp32's limits
 (ResController's table is one for every dtype; MGR's 8-byte elements use its 4-byte entries), which assume
 4-byte values; with two registers per value they spill: in the AOT compile of C in the
-benchmark grid, n in {2, 8}, every MGR kind, sm_80 and sm_90, 132 of 252 fp64 variants spill (81216 bytes):
+benchmark grid, n in {2, 8}, every MGR kind, sm_80 and sm_90, 132 of 252 fp64 variants spill (81216 bytes; measured
+before issue 30's vector loads and fp32 forward tiles, whose fp64 rows ``kernels_aot.py --dtypes fp64`` gives):
 ResController backward at every C and forward at C = 8192-16384, MGR backward at n = 8 (and gated n = 2 at
 C = 256-2048), MGR forward from C = 768 (n = 8) or 4096 (n = 2). They compile, keep >= 25 % occupancy and
 compute correctly, only slower than fp64 limits of their own would; ``benchmarks/kernels_aot.py`` compiles fp64
 and sums its spills apart.
 
 Warps follow from elements per thread: a program gets ``tile elements / (32 * thread elements)`` warps (a power
-of two, at most 32), so each thread holds a fixed share of every tile (for ResController 16 bytes of each
-tensor: one 128-bit load) until the warps run out; past that each thread holds more of the row, which costs
-registers — hence the ``single_*`` limits past which a row (token) is read in column blocks instead.
+of two, at most 32), so each thread holds a fixed share of every tile, at least 16 bytes (one 128-bit load)
+until the warps run out; past that each thread holds more of the row, which costs registers — hence the
+``single_*`` limits past which a row (token) is read in column blocks instead. MGR's feature vectors (u, w, q,
+dh, the parameter-gradient partials) are loaded in the stream tile's own layout (``_vector`` in
+``kernels/mgr.py``), so they get the tile's 128-bit loads too (``benchmarks/kernels_aot.py`` checks every
+feature-vector load of the PTX). Registers past the table's are in :data:`TILE_REGS` (per target where sm_90's
+ptxas allocates more than sm_80's), and MGR's persistent grids launch what the SMs hold (:func:`programs_per_sm`:
+at the compiled kernel's registers and shared memory once it has run, at the tile's limit before).
 """
 from __future__ import annotations
 
@@ -27,19 +33,23 @@ import torch
 import triton
 
 __all__ = ["Launch", "RowTile", "StreamTile", "rescontroller_tile", "mgr_tile", "persistent_programs",
-           "RESCONTROLLER", "MGR"]
+           "programs_per_sm", "residency_key", "device_arch", "RESCONTROLLER", "MGR", "TILE_REGS"]
 
 
 class Launch(NamedTuple):
     """One kernel launch, as data (``benchmarks/kernels_aot.py`` compiles exactly these ahead of time):
-    ``kernel[grid](*args, **meta)``."""
+    ``kernel[grid](*args, **meta)``; ``residency``: the key under which a persistent kernel records the programs
+    per SM its compiled binary allows (:func:`persistent_programs` sizes later grids from it)."""
     kernel: object
     grid: tuple
     args: tuple
     meta: dict
+    residency: Optional[tuple] = None
 
     def run(self) -> None:
-        self.kernel[self.grid](*self.args, **self.meta)
+        compiled = self.kernel[self.grid](*self.args, **self.meta)
+        if self.residency is not None and self.residency not in _COMPILED_RESIDENCY:
+            _record_residency(self.residency, compiled)
 
 
 class RowTile(NamedTuple):
@@ -76,21 +86,46 @@ RESCONTROLLER = {
 #: read once; ``loop``: column tiles): ``single_elems`` largest tile (block_m * block_c) read once,
 #: ``loop_elems`` the column tile's elements; ``*_thread_elems`` elements of the tile per thread; ``*_regs``
 #: registers per thread (lowered to 64 for 32-warp programs; a dict: per block_m).
-#: 2-byte streams hold 8 elements of every feature vector (u, q, w: one 128-bit load) per thread, so their
-#: single tiles get fewer warps and a smaller limit than fp32's to stay unspilled.
+#: Each thread holds at least 16 bytes of the tile (8 elements of 2-byte streams, 4 of fp32: one 128-bit load of
+#: each stream row and feature vector it holds); fp32's single forward tiles hold 16 elements per thread (at 8
+#: the 32-warp programs' 64 registers spill).
 MGR = {
-    ("forward", 4): dict(single_elems=16384, single_thread_elems=8, single_regs=128,
+    ("forward", 4): dict(single_elems=8192, single_thread_elems=16, single_regs=128,
                          loop_elems=2048, loop_thread_elems=4, loop_regs=64),
     ("forward", 2): dict(single_elems=8192, single_thread_elems=16, single_regs=128,
                          loop_elems=2048, loop_thread_elems=4, loop_regs=64),
     ("backward", 4): dict(single_elems=4096, single_thread_elems=8, single_regs=128,
                           loop_elems=1024, loop_thread_elems=4, loop_regs={2: 128, 4: 128, 8: 72}),
     ("backward", 2): dict(single_elems=4096, single_thread_elems=8, single_regs=128,
-                          loop_elems=1024, loop_thread_elems=4, loop_regs={2: 128, 4: 128, 8: 72}),
+                          loop_elems=1024, loop_thread_elems=4, loop_regs={2: 128, 4: 128, 8: 96}),
+}
+
+#: Register limits of single tiles, past the table's: ``None``, for every target; a compute capability (90), for
+#: that target alone, where its ptxas allocates more than sm_80's and crosses an occupancy step (from
+#: ``benchmarks/kernels_aot.py``; none of these spills at its limit). Keys: ResController ``("rescontroller",
+#: direction, elem_bytes, rows, block)``; MGR ``("mgr", direction, elem_bytes, block_m, block_c, gated)``.
+TILE_REGS = {
+    None: {  # bf16/fp16 accumulating forward, n = 2: 71-72 registers (one 16-warp program per SM) -> 63
+        ("mgr", "forward", 2, 2, 1024, False): 64,  # 44 % -> 50 %
+        ("mgr", "forward", 2, 2, 2048, False): 64,  # 38 % -> 50 %
+        ("mgr", "forward", 2, 2, 4096, False): 64,  # 25 % -> 50 %
+    },
+    90: {
+        ("mgr", "forward", 4, 2, 1024, False): 64,  # 72 registers on sm_90 (64 on sm_80): 44 % -> 50 %
+        ("mgr", "forward", 4, 2, 2048, False): 64,  # 72 (64): 38 % -> 50 %
+        ("mgr", "forward", 4, 4, 1024, False): 80,  # 84 (80): 25 % -> 38 %
+        ("mgr", "backward", 2, 4, 256, False): 96,  # 100 (95): 25 % -> 31 %
+        ("mgr", "backward", 4, 2, 256, False): 72,  # 80 (72): 38 % -> 44 %
+        ("rescontroller", "backward", 4, 4, 256): 48,  # 50 (46): 50 % -> 62 %
+    },
 }
 
 MIN_WARPS, MAX_WARPS = 1, 32
 REGISTERS_PER_SM = 65536
+#: Per SM: resident warps and programs, and the unit registers are allocated in (per warp).
+WARPS_PER_SM, PROGRAMS_PER_SM, REGISTER_UNIT = 64, 32, 256
+#: Bytes of every feature vector each thread loads at once: one 128-bit load.
+VECTOR_BYTES = 16
 
 
 def _warps(elems: int, thread_elems: int, min_warps: int = MIN_WARPS) -> int:
@@ -104,24 +139,34 @@ def _max_regs(max_regs: int, num_warps: int) -> int:
     return min(max_regs, REGISTERS_PER_SM // (32 * num_warps))
 
 
-def rescontroller_tile(n_cols: int, elem_bytes: int, direction: str) -> RowTile:
+def _tile_regs(arch: Optional[int], key: tuple, regs: int) -> int:
+    """``regs``, or the tile's own limit (:data:`TILE_REGS`): the target's, else every target's."""
+    return TILE_REGS.get(arch, {}).get(key, TILE_REGS[None].get(key, regs))
+
+
+def rescontroller_tile(n_cols: int, elem_bytes: int, direction: str, arch: Optional[int] = None) -> RowTile:
     """Tile of the ResController kernel for rows of ``n_cols`` features of ``elem_bytes`` bytes
-    (``direction``: "forward" / "backward"); at least 4 warps per program."""
+    (``direction``: "forward" / "backward") on target ``arch`` (compute capability, e.g. 90; None: the
+    shared limits); at least 4 warps per program."""
     cfg = RESCONTROLLER[direction]
     thread_elems = max(1, cfg["thread_bytes"] // elem_bytes)
     block = triton.next_power_of_2(max(1, n_cols))
     if block <= cfg["single_elems"]:
         rows = max(1, cfg["tile_bytes"] // (block * elem_bytes))
         warps = _warps(rows * block, thread_elems, 4)
-        return RowTile(rows, block, True, warps, _max_regs(cfg["max_regs"], warps))
+        regs = _tile_regs(arch, ("rescontroller", direction, elem_bytes, rows, block), cfg["max_regs"])
+        return RowTile(rows, block, True, warps, _max_regs(regs, warps))
     block = cfg["loop_block"]
     warps = _warps(block, thread_elems, 4)
-    return RowTile(1, block, False, warps, _max_regs(cfg["max_regs"], warps))
+    regs = _tile_regs(arch, ("rescontroller", direction, elem_bytes, 1, block), cfg["max_regs"])
+    return RowTile(1, block, False, warps, _max_regs(regs, warps))
 
 
-def mgr_tile(n_cols: int, m_out: int, elem_bytes: int, direction: str) -> StreamTile:
+def mgr_tile(n_cols: int, m_out: int, elem_bytes: int, direction: str, gated: bool = True,
+             arch: Optional[int] = None) -> StreamTile:
     """Tile of the MGR step kernel for ``m_out`` output streams of ``n_cols`` features of ``elem_bytes``
-    bytes (``direction``: "forward" / "backward")."""
+    bytes (``direction``: "forward" / "backward"; ``gated``: a gated merge, else an accumulating one) on target
+    ``arch`` (compute capability, e.g. 90; None: the shared limits)."""
     cfg = MGR[(direction, min(4, max(2, elem_bytes)))]
     block_m = max(2, triton.next_power_of_2(m_out))
     block_c = triton.next_power_of_2(max(1, n_cols))
@@ -129,9 +174,11 @@ def mgr_tile(n_cols: int, m_out: int, elem_bytes: int, direction: str) -> Stream
     path = "single" if single else "loop"
     if not single:
         block_c = max(16, cfg["loop_elems"] // block_m)
-    warps = _warps(block_m * block_c, cfg[f"{path}_thread_elems"])
+    # at least one 128-bit load of the tile per thread (the feature vectors are loaded in the tile's layout)
+    warps = _warps(block_m * block_c, max(VECTOR_BYTES // elem_bytes, cfg[f"{path}_thread_elems"]))
     regs = cfg[f"{path}_regs"]
     regs = regs[block_m] if isinstance(regs, dict) else regs
+    regs = _tile_regs(arch, ("mgr", direction, elem_bytes, block_m, block_c, gated), regs)
     return StreamTile(block_m, block_c, single, warps, _max_regs(regs, warps))
 
 
@@ -140,10 +187,57 @@ def _sm_count(index: Optional[int]) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def persistent_programs(items: int, num_warps: int, device: torch.device, min_items: int = 1) -> int:
-    """Programs of a grid that loops over ``items`` (tokens): enough to fill every SM at full occupancy, each
-    with at least ``min_items`` items (so per-program partial sums stay few); 4 off CUDA (the interpreter)."""
+@functools.lru_cache(maxsize=None)
+def _cuda_arch(index: Optional[int]) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
+
+
+def device_arch(device: torch.device) -> Optional[int]:
+    """The compute capability of a CUDA ``device`` (e.g. 90), None off CUDA: the key of :data:`TILE_REGS`."""
+    return _cuda_arch(device.index) if device.type == "cuda" else None
+
+
+def programs_per_sm(num_warps: int, max_regs: int, shared: int = 0, shared_per_sm: Optional[int] = None) -> int:
+    """Programs of ``num_warps`` warps with ``max_regs`` registers per thread (and ``shared`` bytes of shared
+    memory, 1 KiB more reserved per program, of ``shared_per_sm``) that one SM holds at once: 64K registers
+    allocated per warp in units of 256, at most 64 warps and 32 programs (sm_80 / sm_90). ptxas keeps a program
+    within its ``maxnreg``, so at the limit this is what is resident at most registers."""
+    regs_per_warp = triton.cdiv(max_regs * 32, REGISTER_UNIT) * REGISTER_UNIT
+    by_regs = REGISTERS_PER_SM // regs_per_warp // num_warps
+    by_shared = shared_per_sm // (shared + 1024) if shared_per_sm else PROGRAMS_PER_SM
+    return max(1, min(by_regs, by_shared, WARPS_PER_SM // num_warps, PROGRAMS_PER_SM))
+
+
+#: Programs per SM of compiled persistent kernels (their registers and shared memory), by residency key.
+_COMPILED_RESIDENCY: dict = {}
+
+
+def residency_key(kernel, device: torch.device, meta: dict) -> Optional[tuple]:
+    """The key of a persistent kernel's compiled residency on a CUDA ``device`` (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return (kernel, device.index, tuple(sorted((k, repr(v)) for k, v in meta.items())))
+
+
+def _record_residency(key: tuple, compiled) -> None:
+    """Record the programs per SM the compiled kernel allows (its ``n_regs`` and shared memory)."""
+    n_regs = getattr(compiled, "n_regs", None)
+    if not n_regs:
+        return
+    props = torch.cuda.get_device_properties(key[1])
+    _COMPILED_RESIDENCY[key] = programs_per_sm(compiled.metadata.num_warps, n_regs, compiled.metadata.shared,
+                                               getattr(props, "shared_memory_per_multiprocessor", None))
+
+
+def persistent_programs(items: int, tile: StreamTile, device: torch.device, min_items: int = 1,
+                        residency: Optional[tuple] = None) -> int:
+    """Programs of a grid that loops over ``items`` (tokens) with ``tile``'s programs: as many as every SM holds
+    at once, each with at least ``min_items`` items (so per-program partial sums stay few); 4 off CUDA (the
+    interpreter). Resident programs: those the compiled kernel's registers and shared memory allow once it has
+    run (recorded under ``residency``, :func:`residency_key`), before that those of the tile's warps and register
+    limit (:func:`programs_per_sm`, never more than the compiled kernel allows)."""
     if device.type != "cuda":
         return max(1, min(items, 4))
-    resident = _sm_count(device.index) * max(1, 64 // num_warps)
-    return max(1, min(resident, triton.cdiv(items, min_items)))
+    per_sm = _COMPILED_RESIDENCY.get(residency) or programs_per_sm(tile.num_warps, tile.max_regs)
+    return max(1, min(_sm_count(device.index) * per_sm, triton.cdiv(items, min_items)))

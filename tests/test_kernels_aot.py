@@ -10,8 +10,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lightning_resctl._triton import kernel_module
 
@@ -58,6 +60,82 @@ def test_launch_table_shapes():
                     m = tiles.mgr_tile(c, n, elem, direction)
                     assert m.block_m >= n and m.max_regs * 32 * m.num_warps <= 65536, (c, n, elem, m)
                     assert m.block_c & (m.block_c - 1) == 0 and (m.block_c >= c) == m.single
+                    # every thread holds at least one 128-bit load of the stream tile (one warp: tiles smaller
+                    # than 32 x 16 bytes have less)
+                    assert m.block_m * m.block_c * elem >= 16 * 32 * m.num_warps or m.num_warps == 1, (c, n, m)
+
+
+def test_persistent_grid_is_what_the_sms_hold(monkeypatch):
+    """A persistent grid launches as many programs as the SMs hold at the tile's warps and register limit
+    (hand-computed: 64K registers per SM allocated per warp in units of 256, at most 64 warps and 32 programs),
+    not 64 warps' worth regardless of registers."""
+    tiles = kernel_module("tiles")
+    monkeypatch.setattr(tiles, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+
+    def grid(warps, regs, items=10 ** 6, min_items=1):
+        return tiles.persistent_programs(items, tiles.StreamTile(2, 1024, True, warps, regs), cuda, min_items)
+
+    assert grid(16, 128) == 132  # 128 x 32 x 16 = 64K registers: one program per SM, not 4
+    assert grid(16, 64) == 2 * 132
+    assert grid(4, 128) == 4 * 132
+    assert grid(8, 72) == 3 * 132  # 72 x 32 x 8 = 18K registers: 3 programs (24 warps)
+    assert grid(1, 32) == 32 * 132  # 32 programs per SM at most
+    assert grid(4, 128, items=100) == 100 and grid(4, 128, items=100, min_items=8) == 13
+    assert tiles.persistent_programs(100, tiles.StreamTile(2, 1024, True, 4, 128), torch.device("cpu")) == 4
+
+
+def test_persistent_grid_follows_the_compiled_kernel(monkeypatch):
+    """Once a persistent kernel has run, later grids launch what its compiled binary's registers and shared memory
+    let an SM hold (hand-computed as above, 228 KiB of shared memory with 1 KiB reserved per program), not what the
+    tile's register limit does."""
+    tiles = kernel_module("tiles")
+    monkeypatch.setattr(tiles, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(tiles, "_COMPILED_RESIDENCY", {})
+    monkeypatch.setattr(tiles.torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(shared_memory_per_multiprocessor=228 * 1024))
+    cuda = torch.device("cuda", 0)
+    tile = tiles.StreamTile(2, 256, True, 1, 128)
+
+    class Kernel:  # stands in for a JIT function: kernel[grid](...) launches and returns the compiled kernel
+        def __init__(self, regs, shared):
+            self.compiled = SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(num_warps=1, shared=shared))
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: self.compiled
+
+    for regs, shared, per_sm in [(64, 0, 32), (96, 0, 21), (64, 100 * 1024, 2)]:
+        kernel = Kernel(regs, shared)
+        key = tiles.residency_key(kernel, cuda, {"BLOCK_C": 256, "maxnreg": 128})
+        assert tiles.persistent_programs(10 ** 6, tile, cuda, residency=key) == 16 * 132  # at the limit: 16
+        tiles.Launch(kernel, (16 * 132,), (), {}, key).run()
+        assert tiles.persistent_programs(10 ** 6, tile, cuda, residency=key) == per_sm * 132, (regs, shared)
+    assert tiles.residency_key(Kernel(64, 0), torch.device("cpu"), {}) is None
+
+
+def test_load_widths_follow_the_pointer_arguments():
+    """Each ld.global of the PTX is attributed to the pointer parameter its address register derives from
+    (through address arithmetic), with its width; scalar parameters are not pointers."""
+    ptx = """
+.visible .entry k(
+	.param .u64 .ptr .global .align 1 k_param_0,
+	.param .u64 .ptr .global .align 1 k_param_1,
+	.param .u32 k_param_2
+)
+{
+	ld.param.b64 	%rd1, [k_param_0];
+	ld.param.b64 	%rd2, [k_param_1];
+	ld.param.b32 	%r1, [k_param_2];
+	mul.wide.s32 	%rd3, %r1, 2;
+	add.s64 	%rd4, %rd1, %rd3;
+	add.s64 	%rd5, %rd4, 16;
+	@%p1 ld.global.v4.b32 { %r2, %r3, %r4, %r5 }, [ %rd5 + 0 ];
+	add.s64 	%rd6, %rd2, %rd3;
+	@%p2 ld.global.b32 { %r6 }, [ %rd6 + 0 ];
+	ld.global.v2.b16 { %rs1, %rs2 }, [ %rd2 + 0 ];
+}
+"""
+    assert aot.load_widths(ptx, ["S", "U", "T"]) == {"S": [128], "U": [32]}
 
 
 def run_aot(tmp_path, *args):
@@ -87,10 +165,36 @@ def test_subset_compiles_without_spills_at_quarter_occupancy(tmp_path):
         assert row["spill"] == 0 and row["stack"] == 0, row
         assert row["occupancy"] >= 0.25, row
         assert row["ld_bits"] == 128 and row["f64"] == 0, row  # 128-bit loads, no fp64 on a bf16 path
+        # every feature vector (streams, u, w, q, dS', dh, partials) of a long row loaded 128 bits at a time
+        assert all(bits == 128 for bits in row["vector_bits"].values()), row
+        if v["c"] == 32768:
+            assert {"S", "U"} <= set(row["vector_bits"]) or {"r_ptr", "u_ptr"} <= set(row["vector_bits"]), row
+        if v["rule"] == "mgr":  # the persistent grid: no more programs per SM than are resident
+            assert 1 <= row["grid_per_sm"] <= row["resident_per_sm"], row
         seen.add((v["rule"], v["direction"], row["arch"], "one read" in row["tile"]))
     assert seen == {(rule, d, arch, single) for rule in ("rescontroller", "mgr") for d in ("fwd", "bwd")
                     for arch in ("sm_80", "sm_90") for single in (True, False)}
     assert "0 compile failures, 0 spilled bytes" in res.stdout
+    assert data["summary"]["narrow_loads"] == 0 and data["summary"]["overfull_grids"] == 0
+
+
+def test_bf16_multi_row_tiles_load_feature_vectors_128_bits(tmp_path):
+    """The shapes issue 30 found narrow: MGR forward bf16 C=1024 n=8 (u 32-bit, w 64-bit) and the column-tiled
+    backward n=2 C=4096 (no 128-bit load) load every feature vector 128 bits at a time; the accumulating forward
+    bf16 C=4096 n=2 keeps 50 % occupancy on sm_90 (it had 25 %), and its grid fills what is resident."""
+    _, data = run_aot(tmp_path, "--rules", "mgr", "--C", "1024", "4096", "--dtypes", "bf16", "--n", "2", "8",
+                      "--kinds", "accumulating", "--arch", "90")
+    rows = {(r["variant"]["direction"], r["variant"]["c"], r["variant"]["n"]): r for r in data["rows"]}
+    assert len(rows) == 8
+    for key, row in rows.items():
+        assert row["error"] is None and row["spill"] == 0, row
+        names = {"S", "U", "W"} | ({"DOUT", "DH"} if key[0] == "bwd" else set())
+        assert names <= set(row["vector_bits"]), row
+        assert all(bits == 128 for bits in row["vector_bits"].values()), row
+        assert row["grid_per_sm"] <= row["resident_per_sm"], row
+    assert "2 passes" in rows[("bwd", 4096, 2)]["tile"]
+    assert rows[("fwd", 4096, 2)]["occupancy"] == 0.5
+    assert rows[("fwd", 4096, 2)]["grid_per_sm"] == rows[("fwd", 4096, 2)]["resident_per_sm"]
 
 
 def test_fp64_compiles_and_its_spills_are_counted_apart(tmp_path):
