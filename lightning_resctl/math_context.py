@@ -1,6 +1,6 @@
 """The context a merge rule's own math runs in, whatever the caller's context.
 
-* :func:`autocast_off` and :func:`fp32_matmul` — a rule's internal math (its row moments, gates, pools,
+* :func:`autocast_off`, :func:`fp32_matmul` and :func:`fp32_bmm` — a rule's internal math (its row moments, gates, pools,
   coefficients) runs in its documented compute dtype (fp32, fp64 for fp64 inputs) also under
   ``torch.autocast`` (Lightning's ``precision="bf16-mixed"`` / ``"16-mixed"``), which would otherwise run its
   matmuls, ``bmm`` and ``vecdot`` in bf16/fp16. The closed-form paths run forward and backward under
@@ -19,7 +19,7 @@ import contextlib
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["autocast_off", "fp32_matmul", "refuse_transforms"]
+__all__ = ["autocast_off", "fp32_matmul", "fp32_bmm", "refuse_transforms"]
 
 
 def autocast_off(device_type: str):
@@ -60,6 +60,57 @@ class _Matmul(torch.autograd.Function):
                 rows = a.reshape(-1, a.shape[-1]).mT
                 db = fp32_matmul(rows, grad.reshape(-1, b.shape[-1]) if b.dim() == 2 else grad.reshape(-1))
         return da, db
+
+
+class _Bmm(torch.autograd.Function):
+    """``a @ b`` for batched ``a (..., M, K)`` and ``b (..., K, N)`` of the same batch shape, with autocast off in the
+    forward and the backward (see :func:`fp32_bmm`)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a, b):
+        with autocast_off(a.device.type):
+            return torch.matmul(a, b)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        da = fp32_bmm(grad, b.mT) if ctx.needs_input_grad[0] else None
+        db = fp32_bmm(a.mT, grad) if ctx.needs_input_grad[1] else None
+        return da, db
+
+
+class _BmmWithJvp(_Bmm):
+    """:class:`_Bmm` with forward-mode AD (eager only: dynamo does not trace a custom ``jvp``)."""
+
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        a, b = ctx.saved_tensors
+        out = None if ta is None else fp32_bmm(ta, b)
+        if tb is not None:
+            out = fp32_bmm(a, tb) if out is None else out + fp32_bmm(a, tb)
+        return out
+
+
+def fp32_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched ``a @ b`` (``a (..., M, K)``, ``b (..., K, N)``, one batch shape) computed in the inputs' dtype
+    whatever the autocast state, like :func:`fp32_matmul` (forward, backward — also one called inside an autocast
+    region —, double backward, forward-mode AD in eager, ``vmap``)."""
+    if a.shape[:-2] != b.shape[:-2]:
+        raise ValueError(f"fp32_bmm needs one batch shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if torch.compiler.is_compiling():
+        return _Bmm.apply(a, b)
+    records = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    if records or _autocast_on(a.device.type) or forward_ad._current_level >= 0 \
+            or torch._C._are_functorch_transforms_active():
+        return _BmmWithJvp.apply(a, b)
+    return torch.matmul(a, b)
 
 
 class _MatmulWithJvp(_Matmul):

@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from ..math_context import autocast_off
+from ..math_context import autocast_off, fp32_bmm
 from ..mgr import RMS_EPS, _compute_dtype as compute_dtype, rms_norm  # noqa: F401  (shared, re-exported)
 from .base import ChainRule, check_choice, check_finite, check_int
 
@@ -83,15 +83,15 @@ def frame_read(pre: Tensor, streams: Tensor) -> Tensor:
 def frame_write(streams: Tensor, res: Tensor, post: Tensor, u: Optional[Tensor]) -> Tensor:
     """``S'[t] = post[t] u + sum_s res[t, s] S[s]`` in the coefficients' dtype, returned in the streams' dtype.
 
-    One broadcast multiply-add per input stream over existing tensors: autograd saves views of ``S`` and
-    ``u`` and the coefficients, never an (n, n, C) product; with ``res = I``, ``post = 1`` the result is
-    bitwise ``S[t] + u`` (one rounding, as the plain residual)."""
+    One batched ``(n, n) @ (n, C)`` product per token (:func:`~lightning_resctl.math_context.fp32_bmm`: in the
+    coefficients' dtype also under autocast) and one multiply-add of ``u``: autograd saves ``S`` (in that dtype),
+    ``u`` and the coefficients, never an (n, n, C) product; with ``res = I``, ``post = 1`` the result is bitwise
+    ``S[t] + u`` (a product with the identity is exact: one rounding, as the plain residual)."""
     cd = res.dtype
-    n = streams.shape[-2]
-    acc = None if u is None else post.unsqueeze(-1) * u.to(cd).unsqueeze(-2)
-    for s in range(n):
-        term = res[..., :, s].unsqueeze(-1) * streams[..., s, :].to(cd).unsqueeze(-2)
-        acc = term if acc is None else acc + term
+    s = streams.to(cd)
+    acc = fp32_bmm(res.expand(*s.shape[:-2], *res.shape[-2:]), s)
+    if u is not None:
+        acc = torch.addcmul(acc, post.unsqueeze(-1), u.to(cd).unsqueeze(-2))
     return acc.to(streams.dtype)
 
 
