@@ -34,20 +34,46 @@ def _autocast_on(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
-class _Matmul(torch.autograd.Function):
-    """``a @ b`` with autocast off in the forward and the backward (see :func:`fp32_matmul`)."""
+class _Product(torch.autograd.Function):
+    """A matrix product with autocast off in the forward and the backward: the shared part of :class:`_Matmul`
+    and :class:`_Bmm` (they differ in the product and its backward)."""
 
     generate_vmap_rule = True
-
-    @staticmethod
-    def forward(a, b):
-        with autocast_off(a.device.type):
-            return a @ b
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs)
         ctx.save_for_forward(*inputs)
+
+
+def _product_jvp(product, ctx, ta, tb):
+    """The tangent of ``product(a, b)``: ``ta @ b + a @ tb``, each term with ``product``."""
+    a, b = ctx.saved_tensors
+    out = None if ta is None else product(ta, b)
+    if tb is not None:
+        out = product(a, tb) if out is None else out + product(a, tb)
+    return out
+
+
+def _outside_autocast(a, b, function: type, with_jvp: type, plain):
+    """``function.apply(a, b)`` under ``torch.compile``; ``with_jvp.apply`` when a backward is recorded,
+    autocast is on, a forward-mode level or a functorch transform is active; else ``plain(a, b)``."""
+    if torch.compiler.is_compiling():
+        return function.apply(a, b)
+    records = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    if records or _autocast_on(a.device.type) or forward_ad._current_level >= 0 \
+            or torch._C._are_functorch_transforms_active():
+        return with_jvp.apply(a, b)
+    return plain(a, b)
+
+
+class _Matmul(_Product):
+    """``a @ b`` with autocast off in the forward and the backward (see :func:`fp32_matmul`)."""
+
+    @staticmethod
+    def forward(a, b):
+        with autocast_off(a.device.type):
+            return a @ b
 
     @staticmethod
     def backward(ctx, grad):
@@ -62,21 +88,30 @@ class _Matmul(torch.autograd.Function):
         return da, db
 
 
-class _Bmm(torch.autograd.Function):
-    """``a @ b`` for batched ``a (..., M, K)`` and ``b (..., K, N)`` of the same batch shape, with autocast off in the
-    forward and the backward (see :func:`fp32_bmm`)."""
+class _MatmulWithJvp(_Matmul):
+    """:class:`_Matmul` with forward-mode AD (eager only: dynamo does not trace a custom ``jvp``)."""
 
-    generate_vmap_rule = True
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        return _product_jvp(fp32_matmul, ctx, ta, tb)
+
+
+def fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for ``a (..., K)`` and ``b (K, N)`` or ``(K,)``, computed in the inputs' dtype whatever the
+    autocast state — in the forward, the backward (also a backward called inside an autocast region, a double
+    backward, and the backward graph ``torch.compile`` traces under the forward's autocast) and forward-mode AD
+    (eager); ``vmap`` works. Plain ``a @ b`` when autocast is off and no backward is recorded."""
+    return _outside_autocast(a, b, _Matmul, _MatmulWithJvp, torch.matmul)
+
+
+class _Bmm(_Product):
+    """``a @ b`` for batched ``a (..., M, K)`` and ``b (..., K, N)`` of one batch shape, with autocast off in the
+    forward and the backward (see :func:`fp32_bmm`)."""
 
     @staticmethod
     def forward(a, b):
         with autocast_off(a.device.type):
             return torch.matmul(a, b)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-        ctx.save_for_forward(*inputs)
 
     @staticmethod
     def backward(ctx, grad):
@@ -87,15 +122,11 @@ class _Bmm(torch.autograd.Function):
 
 
 class _BmmWithJvp(_Bmm):
-    """:class:`_Bmm` with forward-mode AD (eager only: dynamo does not trace a custom ``jvp``)."""
+    """:class:`_Bmm` with forward-mode AD (eager only)."""
 
     @staticmethod
     def jvp(ctx, ta, tb):
-        a, b = ctx.saved_tensors
-        out = None if ta is None else fp32_bmm(ta, b)
-        if tb is not None:
-            out = fp32_bmm(a, tb) if out is None else out + fp32_bmm(a, tb)
-        return out
+        return _product_jvp(fp32_bmm, ctx, ta, tb)
 
 
 def fp32_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -104,39 +135,7 @@ def fp32_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     region —, double backward, forward-mode AD in eager, ``vmap``)."""
     if a.shape[:-2] != b.shape[:-2]:
         raise ValueError(f"fp32_bmm needs one batch shape, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if torch.compiler.is_compiling():
-        return _Bmm.apply(a, b)
-    records = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
-    if records or _autocast_on(a.device.type) or forward_ad._current_level >= 0 \
-            or torch._C._are_functorch_transforms_active():
-        return _BmmWithJvp.apply(a, b)
-    return torch.matmul(a, b)
-
-
-class _MatmulWithJvp(_Matmul):
-    """:class:`_Matmul` with forward-mode AD (eager only: dynamo does not trace a custom ``jvp``)."""
-
-    @staticmethod
-    def jvp(ctx, ta, tb):
-        a, b = ctx.saved_tensors
-        out = None if ta is None else fp32_matmul(ta, b)
-        if tb is not None:
-            out = fp32_matmul(a, tb) if out is None else out + fp32_matmul(a, tb)
-        return out
-
-
-def fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for ``a (..., K)`` and ``b (K, N)`` or ``(K,)``, computed in the inputs' dtype whatever the
-    autocast state — in the forward, the backward (also a backward called inside an autocast region, a double
-    backward, and the backward graph ``torch.compile`` traces under the forward's autocast) and forward-mode AD
-    (eager); ``vmap`` works. Plain ``a @ b`` when autocast is off and no backward is recorded."""
-    if torch.compiler.is_compiling():
-        return _Matmul.apply(a, b)
-    records = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
-    if records or _autocast_on(a.device.type) or forward_ad._current_level >= 0 \
-            or torch._C._are_functorch_transforms_active():
-        return _MatmulWithJvp.apply(a, b)
-    return a @ b
+    return _outside_autocast(a, b, _Bmm, _BmmWithJvp, torch.matmul)
 
 
 def _has_tangent(tensors) -> bool:
