@@ -40,6 +40,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..rules.base import branches_sum
@@ -585,7 +586,7 @@ class MergeSite(nn.Module):
 
     def _refuse_reentrant(self, stream: torch.Tensor, run: ChainRun) -> None:
         """Raise when this merge runs in the ``no_grad`` forward of reentrant checkpointing while training."""
-        state_grad = any(t.requires_grad for t in _tensors(run.state))
+        state_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(run.state))
         if (stream.requires_grad or state_grad) and _inside_reentrant_checkpoint():
             raise RuntimeError(
                 f"the merge at {self.location} ({self.source_line!r}) runs inside "
@@ -604,13 +605,6 @@ def _storage_ptr(t: torch.Tensor) -> Optional[int]:
         return None
 
 
-def _tensors(state: Any) -> list:
-    """The tensors in a chain state (a tensor, or tuples / named tuples of them)."""
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, (tuple, list)):
-        return [t for item in state for t in _tensors(item)]
-    return []
 
 
 def decode_record(state: Any) -> Any:
