@@ -4,7 +4,7 @@ code the training loop would compile itself?
 Each backend runs in its own fresh process (the compiled regions are process-wide, so two backends in one process
 would share their graphs): plain and each rule, one nanoGPT training step each, interleaved
 (:func:`step_bench.time_interleaved`, which waits for the background compiles after the first step), and the
-regions' eager calls during the timed steps (:func:`lightning_resctl.backends.region_calls`; 0 = every merge ran
+regions' eager calls during the timed steps (:func:`lightning_resctl.runtime.regions.region_calls`; 0 = every merge ran
 compiled code). Prints the median step time of each rule over plain, per backend, and the first (eager) step's
 ratio beside it.
 
@@ -34,7 +34,7 @@ BACKENDS = ("auto", "torch-compiled")
 
 def run_one(args, backend: str) -> dict:
     """Plain and every rule with ``backend``, in this process: ``{label: {median, first, eager}}``."""
-    from lightning_resctl.backends import region_calls
+    from lightning_resctl.runtime.regions import region_calls
 
     torch.manual_seed(0)
     base = NanoGPT(vocab_size=args.vocab, block_size=args.T, n_layer=args.layers, n_head=args.heads, n_embd=args.C)

@@ -4,7 +4,7 @@ A 12-layer nanoGPT (``lightning_resctl.testing.models.NanoGPT``, C = 256, 4 head
 CPU) trains one step as plain / rescontroller / mgr n=4 / attnres-block; "ckpt" wraps each block in
 ``checkpoint_wrapper`` (non-reentrant ``torch.utils.checkpoint``) after the patch. Per row:
 
-* ``saved MiB``: bytes autograd saves for backward during the forward (``lightning_resctl.memory.
+* ``saved MiB``: bytes autograd saves for backward during the forward (``lightning_resctl.runtime.memory.
   saved_tensor_bytes``, parameters excluded; inside a checkpointed region the checkpoint's own hook decides,
   so this counts what is saved outside the regions, the regions' inputs included);
 * ``held MiB``: memory the CPU allocator holds at the end of the forward beyond what it held before it (all
@@ -29,7 +29,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_resctl import patch_residuals
-from lightning_resctl.memory import saved_tensor_bytes
+from lightning_resctl.runtime.memory import saved_tensor_bytes
 from lightning_resctl.testing.models import NanoGPT
 
 METHODS = (("plain", None, {}), ("rescontroller", "rescontroller", {}),

@@ -8,7 +8,7 @@ for each model — the nanoGPT of ``lightning_resctl/testing/models.py`` (12 lay
 ResNet-18-shaped conv net (32x32 images, batch 8; one feature-map shape per stage) — and each rule (default
 backend; "plain" is the unpatched model), one fresh Python process builds the model, patches it and times its first
 training step (forward, loss, backward, AdamW step) with a fresh ``TORCHINDUCTOR_CACHE_DIR`` ("cold"); it then keeps
-stepping until the rule's compiled regions are ready (:func:`lightning_resctl.backends.wait_for_compiles`, printed
+stepping until the rule's compiled regions are ready (:func:`lightning_resctl.wait_for_compiles`, printed
 as "compiled after"), which fills that cache directory, and a second fresh process times the first step again with
 it ("warm"). Printed per row: wall seconds of the first step, its CPU seconds (the process's threads and its
 finished subprocesses, e.g. the C++ compiler), and the extra wall seconds over "plain" of the same model. (Inductor keeps precompiled headers outside the cache directory, so "cold" still finds
@@ -79,7 +79,7 @@ def measure(args) -> dict:
     """One measurement in this (fresh) process; returns what the parent prints."""
     import torch
 
-    from lightning_resctl.backends import wait_for_compiles
+    from lightning_resctl.runtime.regions import wait_for_compiles
     from lightning_resctl.surgery import patch_residuals
 
     torch.set_num_threads(args.threads)

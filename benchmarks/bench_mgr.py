@@ -22,9 +22,9 @@ import time
 import torch
 from torch import nn
 
-from lightning_resctl._triton import triton_available
-from lightning_resctl.backends import wait_for_compiles
-from lightning_resctl.memory import saved_tensor_bytes
+from lightning_resctl.runtime.triton import triton_available
+from lightning_resctl.runtime.regions import wait_for_compiles
+from lightning_resctl.runtime.memory import saved_tensor_bytes
 from lightning_resctl.mgr import MGRChain, mgr_step_reference
 
 

@@ -7,7 +7,7 @@ and bf16), forward and forward+backward, side by side in one process:
 * ``compiled`` — ``torch.compile`` of the reference (inductor);
 * ``lean``     — the lean torch path (autograd.Function with the closed-form backward), eager ops;
 * ``region``   — the same Function with its math as compiled regions (``backend="torch"`` on CPU with a C++
-  compiler: :class:`lightning_resctl.backends.CompiledRegion`);
+  compiler: :class:`lightning_resctl.runtime.regions.CompiledRegion`);
 * ``triton``   — the fused Triton kernels (GPU only).
 
 Each time is printed with its ratio to eager (< 1 = faster). On GPU the achieved memory
@@ -35,8 +35,9 @@ from pathlib import Path
 
 import torch
 
-from lightning_resctl.backends import cpu_compile_available, wait_for_compiles
-from lightning_resctl.memory import saved_tensor_bytes
+from lightning_resctl.runtime.backends import cpu_compile_available
+from lightning_resctl.runtime.regions import wait_for_compiles
+from lightning_resctl.runtime.memory import saved_tensor_bytes
 from lightning_resctl.rescontroller import _ResControllerFunction, rescontroller, rescontroller_reference
 
 OPTS = (0.18, 1.08, 8.0, 8.0, 1e-12)

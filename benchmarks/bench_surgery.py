@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_resctl.backends import wait_for_compiles  # noqa: E402
-from lightning_resctl.memory import saved_tensor_bytes  # noqa: E402
+from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
+from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
 from lightning_resctl.surgery import patch_residuals  # noqa: E402
 from lightning_resctl.testing.models import NanoGPT, add_step_arguments  # noqa: E402
 

@@ -114,7 +114,7 @@ def build(v: Variant, rows: int, device: str, arch: Optional[int] = None):
     byte count)."""
     import torch
 
-    from lightning_resctl._triton import kernel_module
+    from lightning_resctl.runtime.triton import load_kernels
 
     dt = _torch_dtype(v.dtype)
     gen = torch.Generator().manual_seed(0)
@@ -125,7 +125,7 @@ def build(v: Variant, rows: int, device: str, arch: Optional[int] = None):
         return torch.randn(shape, generator=gen).to(dtype)
 
     if v.rule == "rescontroller":
-        k = kernel_module("rescontroller")
+        k = load_kernels("rescontroller")
         r, u, g = rand(rows, v.c), rand(rows, v.c), rand(rows, v.c)
         opts = (0.18, 1.08, 8.0, 8.0, 1e-12)
         if v.direction == "fwd":
@@ -133,7 +133,7 @@ def build(v: Variant, rows: int, device: str, arch: Optional[int] = None):
             return launches, lambda: k.rescontroller_fwd(r, u, *opts)
         launches = [k.backward_launch(g, r, u, torch.empty_like(r), torch.empty_like(u), opts, arch)]
         return launches, lambda: k.rescontroller_bwd(g, r, u, *opts)
-    k = kernel_module("mgr")
+    k = load_kernels("mgr")
     gated = v.kind != "accumulating"
     m = v.n if gated else v.n - 1
     f32 = torch.float32
@@ -291,7 +291,7 @@ def occupancy(regs: int, smem: int, warps: int, cap: int) -> float:
 
 
 def aot_job(v: Variant, cap: int) -> dict:
-    from lightning_resctl._triton import kernel_module
+    from lightning_resctl.runtime.triton import load_kernels
 
     t0 = time.perf_counter()
     try:
@@ -304,7 +304,7 @@ def aot_job(v: Variant, cap: int) -> dict:
         st["spill"] = sum(s["spill"] for s in stats)
         st["occupancy"] = min(occupancy(s["regs"], s["smem"], s["warps"], cap) for s in stats)
         if v.rule == "mgr":  # persistent grids: the programs per SM the launch code sizes them for vs resident
-            tiles = kernel_module("tiles")
+            tiles = load_kernels("tiles")
             st["grid_per_sm"] = max(tiles.programs_per_sm(launch.meta["num_warps"], launch.meta["maxnreg"])
                                     for launch in launches)
             st["resident_per_sm"] = min(round(occupancy(s["regs"], s["smem"], s["warps"], cap) * SM[cap]["warps"])

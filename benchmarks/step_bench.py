@@ -28,9 +28,9 @@ from typing import Callable, Optional
 
 import torch
 
-from lightning_resctl.backends import wait_for_compiles
+from lightning_resctl.runtime.regions import wait_for_compiles
 
-from lightning_resctl.memory import saved_tensor_bytes
+from lightning_resctl.runtime.memory import saved_tensor_bytes
 from lightning_resctl.testing.models import gpt_loss
 
 __all__ = ["rule_installer", "build_rows", "time_interleaved", "ratio", "first_line"]

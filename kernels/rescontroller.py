@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_resctl._triton import interpreter_mode
+from lightning_resctl.runtime.triton import interpreter_mode
 
 from .rows import row_grid
 from .tiles import Launch, RowTile, device_arch, rescontroller_tile

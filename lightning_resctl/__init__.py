@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 
-from ._triton import triton_available
+from .runtime.triton import triton_available
 # The functions, not the submodules of the same names (importing a submodule binds the package attribute to the
 # module; these imports rebind it). Submodules stay importable with `from lightning_resctl.compare import cli`.
 from .rescontroller import rescontroller
@@ -58,6 +58,9 @@ _EXPORTS = {
     "patch_in_configure_model": "callbacks",
     "ResidualMonitor": "diagnostics",
     "ablate": "diagnostics",
+    "wait_for_compiles": "runtime.regions",
+    "region_calls": "runtime.regions",
+    "saved_tensor_bytes": "runtime.memory",
 }
 
 __all__ = ["triton_available", "rescontroller", "compare", "__version__", *_EXPORTS]

@@ -42,10 +42,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ._triton import triton_available
-from .backends import (BACKENDS as _SHARED_BACKENDS, CompiledMath, check_backend, load_kernels, op_outputs,
-                       opaque_under_compile, refuse_second_derivative, torch_mode, triton_runs_on_device)
-from .math_context import autocast_off, refuse_transforms
+from .runtime.autograd import autocast_off, op_outputs, refuse_second_derivative, refuse_transforms
+from .runtime.backends import RULE_BACKENDS, check_backend, opaque_under_compile, resolve_backend, torch_mode
+from .runtime.regions import CompiledMath
+from .runtime.triton import load_kernels
 
 __all__ = [
     "ControllerScales",
@@ -56,9 +56,9 @@ __all__ = [
     "BACKENDS",
 ]
 
-#: The shared backend names (lightning_resctl.backends) plus "reference": plain autograd over
-#: :func:`rescontroller_reference` (double backward, forward-mode AD and the torch.func transforms work there).
-BACKENDS = _SHARED_BACKENDS + ("reference",)
+#: The shared backend names plus "reference": plain autograd over :func:`rescontroller_reference` (double backward,
+#: forward-mode AD and the torch.func transforms work there); see lightning_resctl.runtime.backends.
+BACKENDS = RULE_BACKENDS
 _ORACLE = "backend='reference' (rescontroller_reference)"
 
 _DEFAULTS = dict(update_ratio=0.18, stream_ratio=1.08, update_softness=8.0, stream_softness=8.0, eps=1e-12)
@@ -375,7 +375,7 @@ class _ResControllerFunction(torch.autograd.Function):
                 None, None, None, None, None, None, None)
 
 
-#: (forward, backward) math for a torch_mode: eager torch ops, or their compiled regions (lightning_resctl.backends)
+#: (forward, backward) math for a torch_mode: eager torch ops, or their compiled regions (runtime.regions)
 _math_fns = CompiledMath(_lean_forward, _lean_backward)
 
 
@@ -387,7 +387,7 @@ def _rescontroller_torch(residual, update, ur, sr, ku, ks, eps, dim, backend="to
     return _ResControllerFunction.apply(residual, update, ur, sr, ku, ks, eps, dim, mode)
 
 
-# Under torch.compile: the same forward / backward math as two opaque ops (lightning_resctl.backends.
+# Under torch.compile: the same forward / backward math as two opaque ops (lightning_resctl.runtime.backends.
 # opaque_under_compile), run as torch_mode(backend) says when the compiled model runs.
 @torch.library.custom_op("lightning_resctl::rescontroller_torch", mutates_args=())
 def _rescontroller_op(residual: Tensor, update: Tensor, ur: float, sr: float, ku: float, ks: float, eps: float,
@@ -456,24 +456,8 @@ def _rescontroller_triton(residual, update, ur, sr, ku, ks, eps, dim):
 
 
 # --------------------------------------------------------------------------------------------
-# dispatch
+# dispatch (the backend a call runs: lightning_resctl.runtime.backends.resolve_backend)
 # --------------------------------------------------------------------------------------------
-_triton_runs_on_device = triton_runs_on_device
-
-
-def _resolve(backend: str, tensor: Tensor | None) -> str:
-    if backend == "auto":
-        if tensor is None:
-            return "triton" if (torch.cuda.is_available() and triton_available()) else "torch"
-        return "triton" if (tensor.is_cuda and _triton_runs_on_device("cuda")) else "torch"
-    if backend == "triton" and tensor is not None and not _triton_runs_on_device(tensor.device.type):
-        raise ValueError(
-            f"backend='triton' cannot run on {tensor.device} tensors here (Triton needs a CUDA device, or "
-            f"TRITON_INTERPRET=1 for CPU tensors); use backend='torch' or 'auto'"
-        )
-    return backend
-
-
 def rescontroller(
     residual: Tensor,
     update: Tensor,
@@ -492,7 +476,7 @@ def rescontroller(
     ``backend``: "auto" (Triton for CUDA tensors when Triton works, else torch), "triton"
     (alias "native"), "torch" (the lean autograd.Function; on CPU its math runs as one compiled
     region per direction when a C++ compiler is present — "torch-eager" / "torch-compiled" force
-    either, see :mod:`lightning_resctl.backends`), or "reference" (:func:`rescontroller_reference`
+    either, see :mod:`lightning_resctl.runtime.backends`), or "reference" (:func:`rescontroller_reference`
     under plain autograd: slower and saves every intermediate, but double backward, forward-mode AD,
     ``vmap`` and ``torch.func.grad`` work through it; the other backends refuse those with a
     RuntimeError). Output dtype: the promoted input dtype; math in fp32 (fp64 for fp64 inputs), also
@@ -501,7 +485,7 @@ def rescontroller(
     backend = _check_backend(backend)
     dim = _check_tensors(residual, update, dim)
     opts = _check_options(update_ratio, stream_ratio, update_softness, stream_softness, eps)
-    resolved = _resolve(backend, residual)
+    resolved = resolve_backend(backend, residual)
     if resolved == "triton":
         return _rescontroller_triton(residual, update, *opts, dim)
     if resolved == "reference":
@@ -544,7 +528,7 @@ class ResController(nn.Module):
 
     def resolved_backend(self, tensor: Tensor | None = None) -> str:
         """The backend a call on ``tensor`` would use ("triton", "reference" or a "torch" variant)."""
-        return _resolve(self.backend, tensor)
+        return resolve_backend(self.backend, tensor)
 
     def options(self) -> dict:
         """The rule's options (keyword arguments of :func:`rescontroller`, without ``backend``)."""

@@ -2,7 +2,7 @@
 
 Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (Lightning's ``precision="bf16-mixed"`` on CPU) the
 matmuls, ``bmm`` and ``vecdot`` inside a rule would run in bf16; the rules take their math out of autocast
-(:mod:`lightning_resctl.math_context`), so with fp32 streams and updates the outputs and gradients under
+(:mod:`lightning_resctl.runtime.autograd`), so with fp32 streams and updates the outputs and gradients under
 autocast (forward and backward inside it) are those of the fp32 run — per rule (every registered one,
 automatically) and per torch backend that runs on CPU (the Triton kernels compute in fp32 by construction; in
 the CPU interpreter they pass this check too, at ~20 s per rule, too slow for the suite). The model's branches
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_resctl.backends import cpu_compile_available
+from lightning_resctl.runtime.backends import cpu_compile_available
 from lightning_resctl.rules import get_merge_rule, make_rule, merge_rules
 from lightning_resctl.surgery import patch_residuals
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)

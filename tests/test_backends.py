@@ -1,4 +1,4 @@
-"""lightning_resctl.backends.CompiledRegion: one inductor compile per call signature, called without dynamo,
+"""lightning_resctl.runtime.regions.CompiledRegion: one inductor compile per call signature, called without dynamo,
 always the eager function's result."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import warnings
 import pytest
 import torch
 
-from lightning_resctl import backends
-from lightning_resctl.backends import CompiledRegion
+from lightning_resctl.runtime import backends
+from lightning_resctl.runtime.regions import CompiledRegion
 
 needs_compiler = pytest.mark.skipif(not backends.cpu_compile_available(), reason="no C++ compiler for inductor")
 

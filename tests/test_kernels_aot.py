@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_resctl._triton import kernel_module
+from lightning_resctl.runtime.triton import load_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "kernels_aot.py"
@@ -47,7 +47,7 @@ def test_launch_table_shapes():
     """Over the benchmark's grid: short ResController rows go several to a program with >= 4 warps; every
     program fits one SM's 64K registers at its register cap (else it could not launch); tiles are powers of
     two; MGR tiles hold every stream."""
-    tiles = kernel_module("tiles")
+    tiles = load_kernels("tiles")
     for c in aot.GRID_C + (33, 777):
         for elem in (2, 4):
             for direction in ("forward", "backward"):
@@ -69,7 +69,7 @@ def test_persistent_grid_is_what_the_sms_hold(monkeypatch):
     """A persistent grid launches as many programs as the SMs hold at the tile's warps and register limit
     (hand-computed: 64K registers per SM allocated per warp in units of 256, at most 64 warps and 32 programs),
     not 64 warps' worth regardless of registers."""
-    tiles = kernel_module("tiles")
+    tiles = load_kernels("tiles")
     monkeypatch.setattr(tiles, "_sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
 
@@ -89,7 +89,7 @@ def test_persistent_grid_follows_the_compiled_kernel(monkeypatch):
     """Once a persistent kernel has run, later grids launch what its compiled binary's registers and shared memory
     let an SM hold (hand-computed as above, 228 KiB of shared memory with 1 KiB reserved per program), not what the
     tile's register limit does."""
-    tiles = kernel_module("tiles")
+    tiles = load_kernels("tiles")
     monkeypatch.setattr(tiles, "_sm_count", lambda index: 132)
     monkeypatch.setattr(tiles, "_COMPILED_RESIDENCY", {})
     monkeypatch.setattr(tiles.torch.cuda, "get_device_properties",
@@ -216,7 +216,7 @@ def test_fp64_compiles_and_its_spills_are_counted_apart(tmp_path):
 
 def shrink_tables(monkeypatch):
     """Small single-read limits, so that small rows reach the two-pass paths in the interpreter."""
-    tiles = kernel_module("tiles")
+    tiles = load_kernels("tiles")
     for entry in tiles.RESCONTROLLER.values():
         monkeypatch.setitem(entry, "single_elems", 128)
         monkeypatch.setitem(entry, "loop_block", 64)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad
 
-from lightning_resctl.math_context import fp32_bmm
+from lightning_resctl.runtime.autograd import fp32_bmm
 from lightning_resctl.rules._common import frame_write
 
 

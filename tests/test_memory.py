@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_resctl.memory import saved_tensor_bytes
+from lightning_resctl.runtime.memory import saved_tensor_bytes
 from lightning_resctl.mgr import MGRChain
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_resctl.memory import saved_tensor_bytes
+from lightning_resctl.runtime.memory import saved_tensor_bytes
 from lightning_resctl.mgr import (MGRChain, MGRMerge, MGRPool, attn_pool_reference, mgr_bias_init,
                                   mgr_gates_reference, mgr_merge_reference, mgr_step_reference)
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
@@ -502,7 +502,7 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_backend_names_shared_with_rescontroller():
-    from lightning_resctl import backends
+    from lightning_resctl.runtime import backends
     from lightning_resctl.rescontroller import ResController
 
     for name in ("auto", "torch", "triton", "native"):
@@ -524,8 +524,7 @@ def test_package_layout_keeps_public_names():
     import lightning_resctl.mgr as mgr
 
     for name in ("MGRChain", "MGRMerge", "MGRPool", "MGRRun", "MGRInit", "attn_pool_reference", "mgr_gates_reference",
-                 "mgr_merge_reference", "mgr_step_reference", "rms_norm", "mgr_bias_init", "GATINGS", "BACKENDS",
-                 "saved_tensor_bytes"):
+                 "mgr_merge_reference", "mgr_step_reference", "rms_norm", "mgr_bias_init", "GATINGS", "BACKENDS"):
         assert hasattr(mgr, name), name
     assert mgr.MGRChain.__module__ == "lightning_resctl.mgr.modules"
     assert mgr.mgr_step_reference.__module__ == "lightning_resctl.mgr.reference"
@@ -606,7 +605,7 @@ def test_update_dtype_promotes_like_add(backend):
     assert out4.dtype == h4.dtype == torch.float32
 
 
-@pytest.mark.skipif(not __import__("lightning_resctl.backends").backends.cpu_compile_available(),
+@pytest.mark.skipif(not __import__("lightning_resctl.runtime.backends").runtime.backends.cpu_compile_available(),
                     reason="no C++ compiler for inductor")
 @pytest.mark.parametrize("gating", ["competitive", "independent"])
 def test_compiled_torch_path_matches_eager(gating):

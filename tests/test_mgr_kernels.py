@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_resctl._triton import kernel_module
+from lightning_resctl.runtime.triton import load_kernels
 from lightning_resctl.mgr import MGRChain, mgr_step_reference
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
@@ -13,7 +13,7 @@ KINDS = ("competitive", "independent", "accumulating")
 
 @pytest.fixture(scope="module")
 def kern():
-    return kernel_module("mgr")
+    return load_kernels("mgr")
 
 
 def make_case(kind, n, c, dtype, tokens=(3,), seed=0):
@@ -59,7 +59,7 @@ def small_tiles(monkeypatch, single_elems=0, loop_elems=64):
     """Shrink the MGR launch table so that small shapes take the column-tiled path the GPU runs on large
     tokens: with ``single_elems=0`` every token is tiled, ``loop_elems=64`` gives 16-32 columns per tile (97
     columns: several tiles, the last one partial)."""
-    tiles = kernel_module("tiles")
+    tiles = load_kernels("tiles")
     for entry in tiles.MGR.values():  # every direction and element size
         assert "single_elems" in entry and "loop_elems" in entry
         monkeypatch.setitem(entry, "single_elems", single_elems)
@@ -225,8 +225,8 @@ def test_kernels_come_from_this_checkout():
 
     root = Path(lightning_resctl.__file__).resolve().parent.parent
     if (root / "kernels" / "__init__.py").exists():
-        assert Path(kernel_module("mgr").__file__).resolve() == root / "kernels" / "mgr.py"
-        assert Path(kernel_module("rescontroller").__file__).resolve() == root / "kernels" / "rescontroller.py"
+        assert Path(load_kernels("mgr").__file__).resolve() == root / "kernels" / "mgr.py"
+        assert Path(load_kernels("rescontroller").__file__).resolve() == root / "kernels" / "rescontroller.py"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 
-from lightning_resctl import backends
-from lightning_resctl.backends import CompiledRegion, wait_for_compiles
+from lightning_resctl.runtime import backends, regions
+from lightning_resctl.runtime.regions import CompiledRegion, wait_for_compiles
 
 needs_compiler = pytest.mark.skipif(not backends.cpu_compile_available(), reason="no C++ compiler for inductor")
 
@@ -64,20 +64,20 @@ def test_a_background_failure_runs_that_signature_eagerly_and_says_which():
 
 
 def test_functions_the_child_cannot_import_compile_before_returning():
-    from lightning_resctl import _background_compile
+    from lightning_resctl.runtime import background as rt_background
 
     def local(a):
         return a + 1
 
-    assert _background_compile.compiler_for(local) is None
-    assert _background_compile.compiler_for(lambda a: a) is None
-    assert _background_compile.compiler_for(_counted_math) is not None
+    assert rt_background.compiler_for(local) is None
+    assert rt_background.compiler_for(lambda a: a) is None
+    assert rt_background.compiler_for(_counted_math) is not None
 
 
 @needs_compiler
 def test_one_notice_per_kind_of_compile(monkeypatch, caplog):
     """Compiling before the first call returns takes seconds: a one-line notice says so, once per process."""
-    monkeypatch.setattr(backends, "_NOTICES", set())
+    monkeypatch.setattr(regions, "_NOTICES", set())
     region = CompiledRegion(lambda a: a * 3)
     with caplog.at_level(logging.INFO, logger="lightning_resctl"):
         region(torch.randn(3))
@@ -105,7 +105,7 @@ def test_the_graph_limit_warns_once():
 def test_the_background_process_yields_before_it_imports_torch():
     """Importing torch costs the child seconds of CPU while the first training steps run: its priority must be
     lowered before that, not after (on 2 cores the eager first step ran 2-3x slower otherwise)."""
-    from lightning_resctl import _background_compile as bc
+    from lightning_resctl.runtime import background as bc
 
     compiler = bc.BackgroundCompiler()
     proc = compiler._start()
@@ -140,7 +140,7 @@ import os, sys, time
 import torch
 sys.path[:0] = [{tests!r}]
 torch.set_num_threads(2)
-from lightning_resctl.backends import CompiledRegion, wait_for_compiles
+from lightning_resctl.runtime.regions import CompiledRegion, wait_for_compiles
 from test_region_background import _rowwise_math
 
 cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
@@ -206,7 +206,7 @@ def test_after_the_wait_the_default_backend_runs_every_merge_compiled(method, fr
     """The default backend's steady state is the compiled one: once ``wait_for_compiles()`` returned, training
     steps call no region eagerly, and the regions hold the graphs ``backend="torch-compiled"`` compiles."""
     from lightning_resctl import patch_residuals
-    from lightning_resctl.backends import region_calls
+    from lightning_resctl.runtime.regions import region_calls
     from lightning_resctl.testing.models import NanoGPT, gpt_loss
 
     def steps(model, n):

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.fx._symbolic_trace as fx_trace
 
-from lightning_resctl import backends
-from lightning_resctl.backends import CompiledRegion
+from lightning_resctl.runtime import backends
+from lightning_resctl.runtime.regions import CompiledRegion
 
 needs_compiler = pytest.mark.skipif(not backends.cpu_compile_available(), reason="no C++ compiler for inductor")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lightning_resctl
-from lightning_resctl.memory import saved_tensor_bytes
+from lightning_resctl.runtime.memory import saved_tensor_bytes
 from lightning_resctl.rescontroller import (
     ControllerScales,
     ResController,
@@ -242,7 +242,7 @@ def small_tiles(monkeypatch, single_elems, loop_block, tile_bytes=64):
     """Shrink the ResController launch table so that small shapes reach the loop paths the GPU runs on long
     rows (``single_elems``: longest row read once; ``loop_block``: column block of longer rows;
     ``tile_bytes``: bytes of one tensor per program for short rows)."""
-    tiles = lightning_resctl._triton.kernel_module("tiles")
+    tiles = lightning_resctl.runtime.triton.load_kernels("tiles")
     for entry in tiles.RESCONTROLLER.values():
         for key, value in (("single_elems", single_elems), ("loop_block", loop_block), ("tile_bytes", tile_bytes)):
             assert key in entry
@@ -288,7 +288,7 @@ def test_triton_strided_rows_need_no_copy(monkeypatch, single_elems):
 
 def test_row_grid_levels():
     """How tensors map to strided rows: one level, two levels, or None (the caller copies)."""
-    row_grid = lightning_resctl._triton.kernel_module("rows").row_grid
+    row_grid = lightning_resctl.runtime.triton.load_kernels("rows").row_grid
     x = torch.empty(6, 5, 8)
     assert row_grid(x) == (1, 30, ((0, 8, 1),))
     cf = torch.empty(2, 8, 3, 4).movedim(1, -1)  # (2, 3, 4, 8): batch stride 96, pixel stride 1, feature 12
@@ -300,7 +300,7 @@ def test_row_grid_levels():
 
 def test_triton_ops_registration():
     """Schema, fake (meta) implementations and the autograd formula of the custom ops."""
-    kernels = lightning_resctl._triton.kernel_module("rescontroller")
+    kernels = lightning_resctl.runtime.triton.load_kernels("rescontroller")
     r = torch.randn(3, 20, requires_grad=True)
     u = torch.randn(3, 20, requires_grad=True)
     args = (0.18, 1.08, 8.0, 8.0, 1e-12)
@@ -408,8 +408,8 @@ def test_public_exports():
 
 
 def test_triton_backend_needs_a_device_it_runs_on(monkeypatch):
-    backends = importlib.import_module("lightning_resctl.backends")
-    monkeypatch.setattr(backends, "interpreter_mode", lambda: False)
+    triton = importlib.import_module("lightning_resctl.runtime.triton")
+    monkeypatch.setattr(triton, "interpreter_mode", lambda: False)
     x = torch.randn(2, 4)
     with pytest.raises(ValueError, match="backend='triton'"):
         rescontroller(x, x, backend="triton")
@@ -576,7 +576,7 @@ def test_rows_near_the_scaling_threshold(backend):
 
 
 def test_torch_path_modes_and_switch(monkeypatch):
-    from lightning_resctl import backends
+    from lightning_resctl.runtime import backends
 
     x = torch.randn(2, 4)
     assert backends.torch_mode("torch-eager", x) == "eager"
@@ -589,7 +589,7 @@ def test_torch_path_modes_and_switch(monkeypatch):
         assert ResController(backend=name).resolved_backend(x) == name
 
 
-@pytest.mark.skipif(not __import__("lightning_resctl.backends").backends.cpu_compile_available(),
+@pytest.mark.skipif(not __import__("lightning_resctl.runtime.backends").runtime.backends.cpu_compile_available(),
                     reason="no C++ compiler for inductor")
 @pytest.mark.parametrize("regime", REGIMES)
 def test_compiled_region_matches_eager_and_reference(regime):

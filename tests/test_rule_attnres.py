@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_resctl.memory import saved_tensor_bytes
+from lightning_resctl.runtime.memory import saved_tensor_bytes
 from lightning_resctl.rules import make_rule
 from lightning_resctl.rules.attnres import (attnres_chain_reference, attnres_pool_reference,
                                             attnres_sources_reference, default_block_size, num_sources)

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from .._logging import rank_zero_line  # noqa: F401 - used by the callbacks as C.rank_zero_line
+from ..runtime.log import rank_zero_line  # noqa: F401 - used by the callbacks as C.rank_zero_line
 
 
 def check_method(method: Any, options: Mapping[str, Any] | None = None) -> str | None:

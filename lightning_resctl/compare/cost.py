@@ -9,7 +9,7 @@ one step of every method (the order rotated each round) on the same batch.
   batches of the training data; the untimed rounds run every method at least ``warmup`` times and once on every
   batch *shape* the timed rounds hold, so each compiled region (CPU inductor regions, Triton kernels, anything
   specialising on shapes) has compiled for every shape it will see before timing starts; the timed rounds wait
-  for the compiles the warm-up started in the background (:func:`lightning_resctl.backends.wait_for_compiles`).
+  for the compiles the warm-up started in the background (:func:`lightning_resctl.runtime.regions.wait_for_compiles`).
 * **Ratio**: a method's cost is the median over rounds of ``its step time / plain's step time in the same
   round``; load that changes slower than one round cancels out.
 * **Spread**: the per-round ratios' interquartile range (and min-max). When the IQR exceeds
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..backends import wait_for_compiles
+from ..runtime.regions import wait_for_compiles
 from .methods import PLAIN, apply_method
 
 __all__ = ["measure_cost", "MAX_RELATIVE_IQR", "resolve_device", "autocast_for", "first_optimizer"]

@@ -45,7 +45,6 @@ fused step: torch path, Triton dispatch, autograd Function), :mod:`.inversion` (
 """
 from __future__ import annotations
 
-from ..memory import saved_tensor_bytes  # re-exported: it lived here first
 from .modules import BACKENDS, MGRChain, MGRMerge, MGRPool, MGRRun
 from .reference import (B_BASE, GATINGS, L_BASE, RMS_EPS, MGRInit, attn_pool_reference, mgr_bias_init,
                         mgr_gates_reference, mgr_merge_reference, mgr_step_reference, rms_norm)
@@ -54,5 +53,5 @@ from .reference import _compute_dtype  # noqa: F401  (used by lightning_resctl.r
 __all__ = [
     "MGRChain", "MGRMerge", "MGRPool", "MGRRun", "MGRInit", "mgr_bias_init", "rms_norm",
     "attn_pool_reference", "mgr_gates_reference", "mgr_merge_reference", "mgr_step_reference",
-    "saved_tensor_bytes", "BACKENDS", "GATINGS", "RMS_EPS", "L_BASE", "B_BASE",
+    "BACKENDS", "GATINGS", "RMS_EPS", "L_BASE", "B_BASE",
 ]

@@ -10,9 +10,9 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .._triton import triton_available, triton_runs_on
-from ..backends import check_backend, opaque_under_compile, torch_mode
-from ..math_context import autocast_off, refuse_transforms
+from ..runtime.autograd import autocast_off, refuse_transforms
+from ..runtime.backends import RULE_BACKENDS, check_backend, opaque_under_compile, resolve_backend, torch_mode
+from ..runtime.triton import triton_available
 from .inversion import _InvertRun
 from .ops import _MGRStepFn, _TieZeroGrad, _kernels, _mgr_step_torch_op
 from .reference import (B_BASE, GATINGS, L_BASE, RMS_EPS, MGRInit, attn_pool_reference, mgr_bias_init,
@@ -33,7 +33,7 @@ def _check_real(name: str, value, positive: bool = False) -> None:
 
 
 #: Accepted backend names: the shared ones ("native" is an alias of "triton") plus the plain-autograd oracle.
-BACKENDS = ("auto", "torch", "triton", "native", "torch-eager", "torch-compiled", "reference")
+BACKENDS = RULE_BACKENDS
 
 
 class MGRPool(nn.Module):
@@ -232,22 +232,18 @@ class MGRChain(nn.Module):
     # ---- configuration
     def set_backend(self, name: str) -> None:
         """Choose ``"auto"``, ``"torch"``, ``"triton"`` (alias ``"native"``), ``"torch-eager"``,
-        ``"torch-compiled"`` or ``"reference"`` (see :mod:`lightning_resctl.backends`)."""
+        ``"torch-compiled"`` or ``"reference"`` (see :mod:`lightning_resctl.runtime.backends`)."""
         name = check_backend(name, BACKENDS)
         if name == "triton" and not triton_available():
             raise RuntimeError("backend='triton' needs a CUDA device or TRITON_INTERPRET=1")
-        if name == "triton" or (name == "auto" and torch.cuda.is_available() and triton_available()):
+        if resolve_backend(name, None) == "triton":
             _kernels()  # import (and register the ops) outside any torch.compile trace
         self.backend = name
 
     def resolved_backend(self, tensor: Optional[Tensor] = None) -> str:
         """The backend used for ``tensor``: "auto" -> "triton" on CUDA when Triton is available (n <= 8),
-        else "torch"."""
-        if self.backend != "auto":
-            return self.backend
-        if tensor is not None and tensor.is_cuda and self.streams <= 8 and triton_runs_on(tensor):
-            return "triton"  # the fused kernel holds up to 8 streams
-        return "torch"
+        else "torch" (:func:`~lightning_resctl.runtime.backends.resolve_backend`)."""
+        return resolve_backend(self.backend, tensor, triton_fits=self.streams <= 8)  # the kernel holds <= 8 streams
 
     def inverts(self, tensor: Tensor) -> bool:
         """True when a step on ``tensor`` uses the fallback inversion: not with ``invert=False``, without grad
@@ -362,7 +358,7 @@ class MGRChain(nn.Module):
         if run is None and opaque_under_compile():  # the torch path as one op per direction (backends)
             out, h, _, _ = _mgr_step_torch_op(streams, u, wq, gq, gb, fb, self.eps, backend)
             return out, h
-        # "torch" on CPU: one compiled region per direction when a C++ compiler is present (lightning_resctl.backends)
+        # "torch" on CPU: one compiled region per direction when a C++ compiler is present (runtime.regions)
         mode = "triton" if backend == "triton" else torch_mode(backend, streams)
         cfg = (mode, self.eps, run, k, k == self.num_merges - 1)
         return _MGRStepFn.apply(streams, u, wq, gq, gb, fb, cfg)

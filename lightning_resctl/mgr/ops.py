@@ -17,8 +17,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..backends import CompiledMath, load_kernels, op_outputs, refuse_second_derivative, torch_mode
-from ..math_context import autocast_off
+from ..runtime.autograd import autocast_off, op_outputs, refuse_second_derivative
+from ..runtime.backends import torch_mode
+from ..runtime.regions import CompiledMath
+from ..runtime.triton import load_kernels
 from .inversion import output_streams, reconstruct_inputs
 from .reference import _compute_dtype
 
@@ -143,7 +145,7 @@ def _kernels():
 
 
 #: (forward, backward) of the torch path for a torch_mode: eager ops, or one compiled region each
-#: (lightning_resctl.backends)
+#: (lightning_resctl.runtime.regions)
 _torch_fns = CompiledMath(_torch_step_forward, _torch_step_backward)
 
 
@@ -250,7 +252,7 @@ class _TieZeroGrad(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------
-# under torch.compile: the torch path's step as two opaque ops (lightning_resctl.backends.opaque_under_compile),
+# under torch.compile: the torch path's step as two opaque ops (lightning_resctl.runtime.backends.opaque_under_compile),
 # run as torch_mode(backend) says when the compiled model runs; no inversion there (the chain does not invert
 # under torch.compile), the backward recomputes the merged streams and the per-row statistics
 # ----------------------------------------------------------------------------------------------

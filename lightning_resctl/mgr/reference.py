@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..math_context import fp32_matmul
+from ..runtime.autograd import fp32_matmul
 
 __all__ = ["RMS_EPS", "L_BASE", "B_BASE", "GATINGS", "MGRInit", "mgr_bias_init", "rms_norm",
            "attn_pool_reference", "mgr_gates_reference", "mgr_merge_reference", "mgr_step_reference"]

@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from ..math_context import autocast_off, fp32_bmm
+from ..runtime.autograd import autocast_off, fp32_bmm
 from ..mgr import RMS_EPS, _compute_dtype as compute_dtype, rms_norm  # noqa: F401  (shared, re-exported)
 from .base import ChainRule, check_choice, check_finite, check_int
 
@@ -83,7 +83,7 @@ def frame_read(pre: Tensor, streams: Tensor) -> Tensor:
 def frame_write(streams: Tensor, res: Tensor, post: Tensor, u: Optional[Tensor]) -> Tensor:
     """``S'[t] = post[t] u + sum_s res[t, s] S[s]`` in the coefficients' dtype, returned in the streams' dtype.
 
-    One batched ``(n, n) @ (n, C)`` product per token (:func:`~lightning_resctl.math_context.fp32_bmm`: in the
+    One batched ``(n, n) @ (n, C)`` product per token (:func:`~lightning_resctl.runtime.autograd.fp32_bmm`: in the
     coefficients' dtype also under autocast) and one multiply-add of ``u``: autograd saves ``S`` (in that dtype),
     ``u`` and the coefficients, never an (n, n, C) product; with ``res = I``, ``post = 1`` the result is bitwise
     ``S[t] + u`` (a product with the identity is exact: one rounding, as the plain residual)."""

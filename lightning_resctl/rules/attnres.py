@@ -32,7 +32,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..math_context import autocast_off, fp32_matmul
+from ..runtime.autograd import autocast_off, fp32_matmul
 from ._common import check_bool, check_eps, compute_dtype, rms_norm
 from .base import ChainRule, check_int
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..math_context import fp32_matmul
+from ..runtime.autograd import fp32_matmul
 from ._common import FrameRule, check_bool, compute_dtype, gated_pre_post, rms_norm
 from .base import check_choice, check_int
 

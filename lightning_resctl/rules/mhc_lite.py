@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..math_context import fp32_matmul
+from ..runtime.autograd import fp32_matmul
 from ._common import FrameRule, compute_dtype, gated_pre_post
 from .base import check_choice
 from .hc import INITS, _pm_one

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from .._triton import triton_available
+from ..runtime.triton import triton_available
 from .patch import _SITE_PREFIX, get_patch_report, merge_sites, patch_residuals
 from .report import PatchReport
 

@@ -1,7 +1,8 @@
-"""The context a merge rule's own math runs in, whatever the caller's context.
+"""Autograd helpers for a merge rule's own math: the context it runs in, whatever the caller's, and its closed-form
+paths' contracts.
 
-* :func:`autocast_off`, :func:`fp32_matmul` and :func:`fp32_bmm` — a rule's internal math (its row moments, gates, pools,
-  coefficients) runs in its documented compute dtype (fp32, fp64 for fp64 inputs) also under
+* :func:`autocast_off`, :func:`fp32_matmul` and :func:`fp32_bmm` — a rule's internal math (its row moments, gates,
+  pools, coefficients) runs in its documented compute dtype (fp32, fp64 for fp64 inputs) also under
   ``torch.autocast`` (Lightning's ``precision="bf16-mixed"`` / ``"16-mixed"``), which would otherwise run its
   matmuls, ``bmm`` and ``vecdot`` in bf16/fp16. The closed-form paths run forward and backward under
   :func:`autocast_off`; the plain-autograd paths use :func:`fp32_matmul`, whose backward also stays out of
@@ -10,7 +11,9 @@
 * :func:`refuse_transforms` — the closed-form ``autograd.Function`` paths (ResController's and MGR's torch
   path, the Triton ops) have a hand-written backward only; forward-mode AD (``torch.autograd.forward_ad``,
   ``torch.func.jvp``) and the ``torch.func`` transforms (``vmap``, ``grad``, ``jacrev`` ...) are refused
-  with a message naming the backend that supports them (``backend="reference"``, plain autograd).
+  with a message naming the backend that supports them (``backend="reference"``, plain autograd);
+  :func:`refuse_second_derivative` does the same for a backward with ``create_graph=True``.
+* :func:`op_outputs` — what a ``torch.library.custom_op`` implementation returns (fresh, contiguous tensors).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import contextlib
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["autocast_off", "fp32_matmul", "fp32_bmm", "refuse_transforms"]
+__all__ = ["autocast_off", "fp32_matmul", "fp32_bmm", "refuse_transforms", "refuse_second_derivative", "op_outputs"]
 
 
 def autocast_off(device_type: str):
@@ -156,3 +159,35 @@ def refuse_transforms(what: str, oracle: str, *tensors) -> None:
         return
     raise RuntimeError(f"{what}: {kind} cannot run through its closed-form backward (an autograd.Function with a "
                        f"hand-written backward only); {oracle} (plain autograd) supports them")
+
+
+def refuse_second_derivative(what: str, oracle: str) -> None:
+    """Called first in the backward of a closed-form ``autograd.Function``: a backward with ``create_graph=True``
+    (grad mode on) would differentiate math that is not differentiable again, so it raises, naming ``oracle``."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{what}: its closed-form backward is not differentiable, so a second derivative (a backward with "
+            f"create_graph=True) is not available; {oracle} (plain autograd) has one")
+
+
+def op_outputs(fn, *args, fake: bool = False) -> tuple:
+    """``fn(*args)`` (a tuple of tensors and None) as a custom op's implementation returns it: run without autograd
+    (the op's registered backward differentiates it), None replaced by an empty tensor, every output contiguous
+    (the eager math and its compiled region may lay a view out differently; the fake implementation must say what
+    the real one returns), and every output that shares storage with an input or an earlier output copied (an op
+    returns fresh tensors). ``fake=True``: for the op's fake implementation, which runs ``fn`` on fake tensors."""
+    with torch.no_grad():
+        outs = fn(*args)
+    first = next(a for a in args if isinstance(a, torch.Tensor))
+    taken = set() if fake else {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    fresh = []
+    for t in outs:
+        if t is None:
+            t = first.new_empty((0,))
+        elif not fake and t.untyped_storage().data_ptr() in taken:
+            t = t.clone(memory_format=torch.contiguous_format)
+        t = t.contiguous()
+        if not fake:
+            taken.add(t.untyped_storage().data_ptr())
+        fresh.append(t)
+    return tuple(fresh)

@@ -1,4 +1,8 @@
-"""Where the Triton kernels come from, and whether they can run here."""
+"""Where the Triton kernels come from, and whether they can run here.
+
+:func:`load_kernels` is the only way a rule gets its kernels module (``kernels/<name>.py``, shipped as
+``lightning_resctl.kernels.<name>``); :func:`triton_runs_on` is the one "can Triton run on this device" check.
+"""
 from __future__ import annotations
 
 import functools
@@ -10,6 +14,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+__all__ = ["load_kernels", "interpreter_mode", "triton_available", "triton_runs_on"]
 
 
 def _load_kernels_package() -> ModuleType:
@@ -24,7 +30,7 @@ def _load_kernels_package() -> ModuleType:
     loaded = sys.modules.get("lightning_resctl.kernels")
     if loaded is not None:
         return loaded
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # lightning_resctl/runtime/triton.py -> the checkout
     folder = root / "kernels"
     if (folder / "__init__.py").exists() and (root / "pyproject.toml").exists():
         spec = importlib.util.spec_from_file_location(
@@ -37,10 +43,18 @@ def _load_kernels_package() -> ModuleType:
     return importlib.import_module("lightning_resctl.kernels")
 
 
-def kernel_module(name: str) -> ModuleType:
-    """Return ``lightning_resctl.kernels.<name>``, importing the kernels package first."""
-    _load_kernels_package()
-    return importlib.import_module(f"lightning_resctl.kernels.{name}")
+_LOADED: dict[str, ModuleType] = {}
+
+
+def load_kernels(name: str) -> ModuleType:
+    """``lightning_resctl.kernels.<name>`` (e.g. ``"mgr"``, ``"rescontroller"``, ``"tiles"``), imported once with
+    the kernels package first; importing a rule's kernels registers its ``torch.ops.lightning_resctl`` ops. Once
+    loaded, a dict lookup (which ``torch.compile`` traces; it does not trace an import)."""
+    module = _LOADED.get(name)
+    if module is None:
+        _load_kernels_package()
+        module = _LOADED[name] = importlib.import_module(f"lightning_resctl.kernels.{name}")
+    return module
 
 
 def interpreter_mode() -> bool:
@@ -58,8 +72,10 @@ def triton_available() -> bool:
     return interpreter_mode() or torch.cuda.is_available()
 
 
-def triton_runs_on(tensor: torch.Tensor) -> bool:
-    """True when the Triton kernels can run on ``tensor``'s device."""
+@torch.compiler.assume_constant_result
+def triton_runs_on(device_type: str) -> bool:
+    """Whether the Triton kernels run on tensors of ``device_type`` ("cuda"; "cpu" under ``TRITON_INTERPRET=1``).
+    A constant under ``torch.compile``."""
     if not triton_available():
         return False
-    return tensor.is_cuda or (interpreter_mode() and tensor.device.type == "cpu")
+    return device_type == "cuda" or (device_type == "cpu" and interpreter_mode())

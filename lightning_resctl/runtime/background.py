@@ -1,4 +1,4 @@
-"""The background compiler of :meth:`lightning_resctl.backends.CompiledRegion.background`: one child process per
+"""The background compiler of :meth:`lightning_resctl.runtime.regions.CompiledRegion.background`: one child process per
 Python process that traces and compiles region signatures while the parent runs their math eagerly.
 
 Why a process and not a thread: tracing and inductor keep process-wide state (torch.fx's "is tracing" flag — while
@@ -12,7 +12,10 @@ Protocol (pickle over the child's stdin / stdout; the child starts with the pare
 parent's ``torch.get_num_threads()``, which inductor's CPU code generation writes into the kernels, so the child
 compiles with it although it runs its own few ops single-threaded); the child answers ``(job_id, result)`` with
 ``{path, guard, spec}`` (a saved ``torch._inductor.CompiledArtifact``, the trace's size guard as text, the output
-spec of :func:`~lightning_resctl.backends.trace_region` with its tree as JSON) or ``{error}``. Its stderr goes to ``worker.log`` in the job directory.
+spec of :func:`~lightning_resctl.runtime.tracer.trace_region` with its tree as JSON) or ``{error}``. Its stderr goes to
+``worker.log`` in the job directory.
+
+Imports :mod:`lightning_resctl.runtime.tracer` only (regions import this module, not the other way round).
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ from concurrent.futures import Future
 from typing import NamedTuple, Optional
 
 import torch
+
+from .tracer import COMPILE_LOCK, ambient, flatten_signature, rebuild_args, set_ambient, trace_region
 
 __all__ = ["TensorSpec", "BackgroundCompiler", "compiler_for", "main"]
 
@@ -96,7 +101,7 @@ class BackgroundCompiler:
         # otherwise compete with the first training steps
         code = (f"import os\nif hasattr(os, 'nice'): os.nice({NICE})\n"
                 f"import sys; sys.path[:0] = {sys.path!r}\n"
-                "from lightning_resctl._background_compile import main; main()")
+                "from lightning_resctl.runtime.background import main; main()")
         with open(self.log_path, "ab") as log:
             proc = subprocess.Popen([sys.executable, "-c", code],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
@@ -194,22 +199,18 @@ def _compile(job: dict) -> dict:
     import torch._inductor
     from torch.utils._pytree import treespec_dumps
 
-    from .backends import COMPILE_LOCK, _COMPILED_DEVICES, _flatten, _rebuild, trace_region
-
     module = importlib.import_module(job["module"])
     fn = module
     for part in job["qualname"].split("."):
         fn = getattr(fn, part)
-    args = _rebuild(job["template"], (torch.empty(s.shape, dtype=s.dtype, device=s.device)  # untouched pages
-                                      for s in _specs(job["template"])), slot=TensorSpec)
+    args = rebuild_args(job["template"], (torch.empty(s.shape, dtype=s.dtype, device=s.device)  # untouched pages
+                                          for s in _specs(job["template"])), slot=TensorSpec)
     tensors: list = []
-    _flatten(args, tensors)
+    flatten_signature(args, tensors)
     torch.set_default_dtype(job["default_dtype"])
-    saved = [(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _COMPILED_DEVICES]
+    saved = ambient()
     try:
-        for d, (on, dtype) in zip(_COMPILED_DEVICES, job["ambient"]):
-            torch.set_autocast_enabled(d, on)
-            torch.set_autocast_dtype(d, dtype)
+        set_ambient(job["ambient"])
         # the kernels are written for the thread count the parent runs them with (a child at 1 thread wrote
         # single-threaded kernels, which the parent then ran at every step)
         torch.set_num_threads(job["num_threads"])
@@ -218,9 +219,7 @@ def _compile(job: dict) -> dict:
             artifact = torch._inductor.standalone_compile(graph, examples)
     finally:
         torch.set_num_threads(1)
-        for d, (on, dtype) in zip(_COMPILED_DEVICES, saved):
-            torch.set_autocast_enabled(d, on)
-            torch.set_autocast_dtype(d, dtype)
+        set_ambient(saved)
     artifact.save(path=job["path"], format="binary")
     tree, kinds, constants = spec
     return {"path": job["path"], "guard": guard, "spec": (treespec_dumps(tree), kinds, constants)}
