@@ -199,3 +199,38 @@ def test_eager_inside_functorch_transforms():
     grad = torch.func.grad(lambda t: region(t).sum())(x)
     torch.testing.assert_close(grad, 2 * x.cos())
     assert region.num_graphs == 0
+
+
+# ------------------------------------------------------------------------------------------
+# backend names and the one resolver (lightning_resctl.runtime.backends)
+# ------------------------------------------------------------------------------------------
+def test_every_rule_resolves_a_backend_as_the_runtime_does(monkeypatch):
+    """ResController and MGR answer "which backend runs on this tensor" with the runtime's one resolver: the same
+    answer for every name, and the same refusal of "triton" on a device Triton cannot run on (MGR used to accept
+    it and fail later, in the kernel)."""
+    from lightning_resctl.mgr import MGRChain
+    from lightning_resctl.rescontroller import ResController
+    from lightning_resctl.runtime import triton as runtime_triton
+
+    x = torch.randn(2, 3, 8)
+    streams = torch.randn(2, 3, 2, 8)
+    for name in backends.RULE_BACKENDS:
+        canonical = backends.check_backend(name, backends.RULE_BACKENDS)
+        ctrl, chain = ResController(backend=name), MGRChain(8, 2, streams=2, backend=name)
+        want = "torch" if canonical == "auto" else canonical  # CPU tensors: "auto" runs the torch path
+        assert ctrl.resolved_backend(x) == chain.resolved_backend(streams) == backends.resolve_backend(canonical, x) \
+            == want, name
+    monkeypatch.setattr(runtime_triton, "interpreter_mode", lambda: False)  # Triton no longer runs on CPU here
+    assert backends.resolve_backend("auto", x) == "torch"
+    for rule in (ResController(backend="triton"), MGRChain(8, 2, streams=2, backend="triton")):
+        with pytest.raises(ValueError, match=r"backend='triton' cannot run on cpu tensors"):
+            rule.resolved_backend(x)
+
+
+def test_rules_take_their_backend_names_from_the_runtime():
+    """Written once: the rules' lists are the runtime's tuple, not copies of it."""
+    import lightning_resctl.mgr as mgr
+    from lightning_resctl.rescontroller import BACKENDS as rescontroller_backends
+
+    assert mgr.BACKENDS is rescontroller_backends is backends.RULE_BACKENDS
+    assert backends.RULE_BACKENDS == backends.BACKENDS + ("reference",)

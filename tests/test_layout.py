@@ -71,3 +71,16 @@ def test_runtime_sources_import_nothing_above_even_lazily():
     assert upward == []
     background = [m for _, m in _imports(PACKAGE / "runtime" / "background.py")]
     assert "lightning_resctl.runtime.regions" not in background
+
+
+def test_runtime_public_names_are_top_level_exports():
+    """``wait_for_compiles``, ``region_calls`` and ``saved_tensor_bytes`` live in the runtime and are exported by
+    the package (lazily), like ``triton_available``."""
+    import lightning_resctl
+    from lightning_resctl.runtime import memory, regions, triton
+
+    assert lightning_resctl.wait_for_compiles is regions.wait_for_compiles
+    assert lightning_resctl.region_calls is regions.region_calls
+    assert lightning_resctl.saved_tensor_bytes is memory.saved_tensor_bytes
+    assert lightning_resctl.triton_available is triton.triton_available
+    assert {"wait_for_compiles", "region_calls", "saved_tensor_bytes"} <= set(lightning_resctl.__all__)
