@@ -15,8 +15,7 @@ help my model?": a matched comparison of the methods on your LightningModule.
 """
 from __future__ import annotations
 
-import importlib
-
+from ._lazy import lazy_exports as _lazy_exports
 from .runtime.triton import triton_available
 # The functions, not the submodules of the same names (importing a submodule binds the package attribute to the
 # module; these imports rebind it). Submodules stay importable with `from lightning_resctl.compare import cli`.
@@ -66,14 +65,4 @@ _EXPORTS = {
 __all__ = ["triton_available", "rescontroller", "compare", "__version__", *_EXPORTS]
 
 
-def __getattr__(name: str):
-    module_name = _EXPORTS.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'lightning_resctl' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module_name}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)

@@ -14,7 +14,7 @@ imports no other).
 """
 from __future__ import annotations
 
-import importlib
+from .._lazy import lazy_exports as _lazy_exports
 
 # public name -> submodule that defines it (imported on first use)
 _EXPORTS = {
@@ -32,14 +32,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module_name = _EXPORTS.get(name)
-    if module_name is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module_name}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)
