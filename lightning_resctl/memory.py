@@ -37,7 +37,7 @@ def saved_tensor_bytes(fn: Callable, *args, exclude: Optional[Iterable[Tensor]] 
     passed on to ``fn``.
 
     The hook keeps every tensor as it is and is marked ``_mgr_transparent``: an
-    :class:`~lightning_resctl.rules.mgr.MGRChain` measured with it keeps its fallback inversion on (MGR
+    :class:`~lightning_resctl.mgr.MGRChain` measured with it keeps its fallback inversion on (MGR
     turns the inversion off under other saved-tensor hooks, e.g. checkpointing or offloading).
 
     Returns ``(bytes, fn's result)``; the result keeps the graph (and so the saved storages) alive
