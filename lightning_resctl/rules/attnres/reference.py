@@ -1,5 +1,5 @@
-"""``attnres`` (Full Attention Residuals) and ``attnres-block`` (Block AttnRes), Kimi Team 2603.15031, as chain
-rules (docs/rules/attnres.md).
+"""The formulas of ``attnres`` (Full Attention Residuals) and ``attnres-block`` (Block AttnRes), Kimi Team
+2603.15031 (docs/rules/attnres.md), and their torch oracles.
 
 The depth pool (per token; :func:`attnres_pool_reference` is the oracle)::
 

@@ -54,7 +54,6 @@ class _InvertRun:
         return mask
 
 
-
 def reconstruct_inputs(out2: Tensor, u2: Tensor, beta: Tensor, mask: Tensor, exact: Tensor) -> Tensor:
     """Inputs of a gated merge from its output (flat ``(T, m, C)``): ``s = lerp(u, s', 1 / (1 - beta))``,
     with the exactly saved rows put back."""

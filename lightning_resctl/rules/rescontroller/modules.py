@@ -11,7 +11,6 @@ from .reference import _check_dim_type
 __all__ = ["ResController"]
 
 
-
 class ResController(nn.Module):
     """Parameter-free ResController merge as a module: ``controller(residual, update)``.
 

@@ -220,9 +220,6 @@ def _rescontroller_triton(residual, update, ur, sr, ku, ks, eps, dim):
 # --------------------------------------------------------------------------------------------
 # dispatch
 # --------------------------------------------------------------------------------------------
-_triton_runs_on_device = triton_runs_on_device
-
-
 def _resolve(backend: str, tensor: Tensor | None) -> str:
     if backend == "auto":
         if tensor is None:
@@ -253,8 +250,8 @@ def rescontroller(
     ``dim`` is the feature dim (-1 for sequence models, 1 for channels-first conv nets).
     ``backend``: "auto" (Triton for CUDA tensors when Triton works, else torch), "triton"
     (alias "native"), "torch" (the lean autograd.Function; on CPU its math runs as one compiled
-    region per direction when a C++ compiler is present — "torch-eager" / "torch-compiled" force
-    either, see :mod:`lightning_resctl.backends`), or "reference" (:func:`rescontroller_reference`
+    region per direction, compiled in the background while the first calls run eagerly, when a C++ compiler is
+    present — "torch-eager" / "torch-compiled" force either, see :mod:`lightning_resctl.backends`), or "reference" (:func:`rescontroller_reference`
     under plain autograd: slower and saves every intermediate, but double backward, forward-mode AD,
     ``vmap`` and ``torch.func.grad`` work through it; the other backends refuse those with a
     RuntimeError). Output dtype: the promoted input dtype; math in fp32 (fp64 for fp64 inputs), also

@@ -48,7 +48,6 @@ from .config import ResControllerConfig
 __all__ = ["ControllerScales", "rescontroller_reference", "rescontroller_scales", "SCALE_THRESHOLD"]
 
 
-
 class ControllerScales(NamedTuple):
     """Per-row scales of the rule (fp32, the feature dim reduced away)."""
 
@@ -56,7 +55,6 @@ class ControllerScales(NamedTuple):
     beta: Tensor  # s_s, the stream scale
     update_cap_active: Tensor  # bool, p_u > 1
     stream_cap_active: Tensor  # bool, p_s > 1
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,7 +95,6 @@ def _check_tensors(residual, update, dim) -> int:
     if residual.shape[dim] == 0:
         raise ValueError(f"the feature dim (dim={dim}) must not be empty, got shape {tuple(residual.shape)}")
     return dim
-
 
 
 # --------------------------------------------------------------------------------------------
