@@ -25,7 +25,7 @@ from torch import nn
 from lightning_resctl.runtime.triton import triton_available
 from lightning_resctl.runtime.regions import wait_for_compiles
 from lightning_resctl.runtime.memory import saved_tensor_bytes
-from lightning_resctl.mgr import MGRChain, mgr_step_reference
+from lightning_resctl.rules.mgr import MGRChain, mgr_step_reference
 
 
 CLOCK = time.perf_counter

@@ -130,7 +130,7 @@ def report(rows: list[dict], args) -> str:
     try:
         import importlib
 
-        rc_mod = importlib.import_module("lightning_resctl.rescontroller")
+        rc_mod = importlib.import_module("lightning_resctl.rules.rescontroller.ops")
 
         fns = rc_mod._math_fns.regions
         if fns:

@@ -38,7 +38,8 @@ import torch
 from lightning_resctl.runtime.backends import cpu_compile_available
 from lightning_resctl.runtime.regions import wait_for_compiles
 from lightning_resctl.runtime.memory import saved_tensor_bytes
-from lightning_resctl.rescontroller import _ResControllerFunction, rescontroller, rescontroller_reference
+from lightning_resctl.rules.rescontroller.ops import _ResControllerFunction
+from lightning_resctl.rules.rescontroller import rescontroller, rescontroller_reference
 
 OPTS = (0.18, 1.08, 8.0, 8.0, 1e-12)
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_resctl import ResController
-from lightning_resctl.rescontroller import rescontroller_scales
+from lightning_resctl.rules.rescontroller import rescontroller_scales
 
 
 class Branch(nn.Module):

@@ -1,7 +1,7 @@
 """Fused Triton kernels of one Multi-Gate-Residual step and their ``torch.library`` registration.
 
 One step = merge k (gates + lerp for a gated merge, append for an accumulating one) followed by the
-AttnPool of merge k+1. The math (and its torch reference) is in :mod:`lightning_resctl.mgr`.
+AttnPool of merge k+1. The math (and its torch reference) is in :mod:`lightning_resctl.rules.mgr`.
 
 Per token, with m input streams, m' output streams (m' = m gated, m + 1 accumulating) of C features:
 

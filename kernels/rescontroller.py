@@ -1,7 +1,7 @@
 """Fused Triton kernels of the ResController merge (forward and backward) and their op registration.
 
 The rule they compute is stated, and implemented as the torch oracle, in
-``lightning_resctl.rescontroller.rescontroller_reference``.
+``lightning_resctl.rules.rescontroller.rescontroller_reference``.
 
 * forward: per row, one read of ``r`` and ``u`` gives the three moments Σr², Σu², Σru (and the row's
   max-abs); the per-row chain gives ``a = s_u·s_s``; one write of ``out = r + a·u``.
@@ -45,7 +45,7 @@ from .tiles import Launch, RowTile, device_arch, rescontroller_tile
 __all__ = ["rescontroller_fwd", "rescontroller_bwd", "Launch", "forward_launch", "backward_launch"]
 
 #: Rows whose max-abs reaches this have their moments taken of r/k, u/k (k a power of two): no overflow of the
-#: squares for rows ~1e20 in fp32. Same value as lightning_resctl.rescontroller.SCALE_THRESHOLD.
+#: squares for rows ~1e20 in fp32. Same value as lightning_resctl.rules.rescontroller.SCALE_THRESHOLD.
 SCALE_THRESHOLD = 2.0 ** 32
 
 
@@ -66,8 +66,8 @@ def _inv_scale(mx, THRESHOLD: tl.constexpr):
 @triton.jit
 def _chain(srr, suu, sru, d, ur, sr, ku, ks, eps, inv_k):
     """The per-row chain from the row sums of r/k, u/k (eps/k^2 inside square roots, eps/k beside the RMS
-    values: the same rule, see ``_row_inv_scale`` in lightning_resctl.rescontroller); returns the values the
-    backward needs too."""
+    values: the same rule, see ``_row_inv_scale`` in lightning_resctl.rules.rescontroller.reference); returns the
+    values the backward needs too."""
     eps1 = eps * inv_k
     eps2 = eps1 * inv_k
     mrr = srr / d

@@ -19,7 +19,7 @@ from ._lazy import lazy_exports as _lazy_exports
 from .runtime.triton import triton_available
 # The functions, not the submodules of the same names (importing a submodule binds the package attribute to the
 # module; these imports rebind it). Submodules stay importable with `from lightning_resctl.compare import cli`.
-from .rescontroller import rescontroller
+from .rules.rescontroller import rescontroller
 from .compare import compare
 
 __version__ = "0.1.0"
@@ -27,13 +27,13 @@ __version__ = "0.1.0"
 # public name -> submodule that defines it (imported on first use, so that
 # `import lightning_resctl` stays cheap and does not pull in Lightning/Triton).
 _EXPORTS = {
-    "ResController": "rescontroller",
-    "rescontroller_reference": "rescontroller",
-    "rescontroller_scales": "rescontroller",
-    "ControllerScales": "rescontroller",
-    "MGRChain": "mgr",
-    "MGRMerge": "mgr",
-    "MGRPool": "mgr",
+    "ResController": "rules.rescontroller",
+    "rescontroller_reference": "rules.rescontroller",
+    "rescontroller_scales": "rules.rescontroller",
+    "ControllerScales": "rules.rescontroller",
+    "MGRChain": "rules.mgr",
+    "MGRMerge": "rules.mgr",
+    "MGRPool": "rules.mgr",
     "patch_residuals": "surgery",
     "unpatch_residuals": "surgery",
     "PatchReport": "surgery",
@@ -46,7 +46,7 @@ _EXPORTS = {
     "PatchOnLoadMixin": "surgery",
     "from_pretrained": "surgery",
     "ResidualTrainerCallback": "callbacks",
-    "MGRRun": "mgr",
+    "MGRRun": "rules.mgr",
     "merge_rules": "rules",
     "register_merge_rule": "rules",
     "get_merge_rule": "rules",

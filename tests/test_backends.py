@@ -208,8 +208,8 @@ def test_every_rule_resolves_a_backend_as_the_runtime_does(monkeypatch):
     """ResController and MGR answer "which backend runs on this tensor" with the runtime's one resolver: the same
     answer for every name, and the same refusal of "triton" on a device Triton cannot run on (MGR used to accept
     it and fail later, in the kernel)."""
-    from lightning_resctl.mgr import MGRChain
-    from lightning_resctl.rescontroller import ResController
+    from lightning_resctl.rules.mgr import MGRChain
+    from lightning_resctl.rules.rescontroller import ResController
     from lightning_resctl.runtime import triton as runtime_triton
 
     x = torch.randn(2, 3, 8)
@@ -229,8 +229,8 @@ def test_every_rule_resolves_a_backend_as_the_runtime_does(monkeypatch):
 
 def test_rules_take_their_backend_names_from_the_runtime():
     """Written once: the rules' lists are the runtime's tuple, not copies of it."""
-    import lightning_resctl.mgr as mgr
-    from lightning_resctl.rescontroller import BACKENDS as rescontroller_backends
+    import lightning_resctl.rules.mgr as mgr
+    from lightning_resctl.rules.rescontroller import BACKENDS as rescontroller_backends
 
     assert mgr.BACKENDS is rescontroller_backends is backends.RULE_BACKENDS
     assert backends.RULE_BACKENDS == backends.BACKENDS + ("reference",)

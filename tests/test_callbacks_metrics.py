@@ -1,4 +1,4 @@
-"""Per-depth metric math (lightning_resctl.metrics) and the plotting helpers (lightning_resctl.plots)."""
+"""Per-depth metric math (lightning_resctl.diagnostics.metrics) and the plotting helpers (lightning_resctl.plots)."""
 from __future__ import annotations
 
 import math
@@ -7,15 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_resctl.metrics import (
-    ControllerStats,
-    GradStats,
-    MGRStats,
-    StreamStats,
-    histogram_median,
-)
+from lightning_resctl.rules.rescontroller.stats import ControllerStats
+from lightning_resctl.diagnostics.metrics import GradStats, StreamStats, histogram_median
+from lightning_resctl.rules.mgr.stats import MGRStats
 from lightning_resctl.plots import curves_figure, figure_to_array, heatmap_figure
-from lightning_resctl.rescontroller import rescontroller_scales
+from lightning_resctl.rules.rescontroller import rescontroller_scales
 
 
 def _rms(t):

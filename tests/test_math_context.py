@@ -7,7 +7,7 @@ import torch
 from torch.autograd import forward_ad
 
 from lightning_resctl.runtime.autograd import fp32_bmm
-from lightning_resctl.rules._common import frame_write
+from lightning_resctl.rules.frame import frame_write
 
 
 def _inputs(dtype=torch.float32):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_resctl.runtime.memory import saved_tensor_bytes
-from lightning_resctl.mgr import MGRChain
+from lightning_resctl.rules.mgr import MGRChain
 
 
 def test_counts_each_storage_once_and_returns_the_result():

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from lightning_resctl.runtime.memory import saved_tensor_bytes
-from lightning_resctl.mgr import (MGRChain, MGRMerge, MGRPool, attn_pool_reference, mgr_bias_init,
-                                  mgr_gates_reference, mgr_merge_reference, mgr_step_reference)
+from lightning_resctl.rules.mgr import (MGRChain, MGRMerge, MGRPool, attn_pool_reference, mgr_bias_init,
+                                        mgr_gates_reference, mgr_merge_reference, mgr_step_reference)
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 GATINGS = ("competitive", "independent")
@@ -503,7 +503,7 @@ def test_bad_inputs_name_the_argument():
 
 def test_backend_names_shared_with_rescontroller():
     from lightning_resctl.runtime import backends
-    from lightning_resctl.rescontroller import ResController
+    from lightning_resctl.rules.rescontroller import ResController
 
     for name in ("auto", "torch", "triton", "native"):
         chain = MGRChain(8, 4, streams=2, backend=name)
@@ -521,13 +521,15 @@ def test_backend_names_shared_with_rescontroller():
 
 
 def test_package_layout_keeps_public_names():
-    import lightning_resctl.mgr as mgr
+    import lightning_resctl.rules.mgr as mgr
 
     for name in ("MGRChain", "MGRMerge", "MGRPool", "MGRRun", "MGRInit", "attn_pool_reference", "mgr_gates_reference",
-                 "mgr_merge_reference", "mgr_step_reference", "rms_norm", "mgr_bias_init", "GATINGS", "BACKENDS"):
+                 "mgr_merge_reference", "mgr_step_reference", "mgr_bias_init", "GATINGS", "BACKENDS"):
         assert hasattr(mgr, name), name
-    assert mgr.MGRChain.__module__ == "lightning_resctl.mgr.modules"
-    assert mgr.mgr_step_reference.__module__ == "lightning_resctl.mgr.reference"
+    # one home per name: the shared RMS norm lives in rules.common, saved_tensor_bytes in the runtime
+    assert not hasattr(mgr, "rms_norm") and not hasattr(mgr, "saved_tensor_bytes")
+    assert mgr.MGRChain.__module__ == "lightning_resctl.rules.mgr.modules"
+    assert mgr.mgr_step_reference.__module__ == "lightning_resctl.rules.mgr.reference"
 
 
 @pytest.mark.parametrize("gating", ["competitive", "independent"])

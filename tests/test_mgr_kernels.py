@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_resctl.runtime.triton import load_kernels
-from lightning_resctl.mgr import MGRChain, mgr_step_reference
+from lightning_resctl.rules.mgr import MGRChain, mgr_step_reference
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 KINDS = ("competitive", "independent", "accumulating")
@@ -249,7 +249,7 @@ def _on(t):
 def test_device_rescontroller_kernels_match_reference(dtype, shape, scale):
     """Short rows several to a program, one row per program, and rows past every single-read limit of the
     launch table (two passes over column blocks), ordinary and ~1e20."""
-    from lightning_resctl.rescontroller import rescontroller, rescontroller_reference
+    from lightning_resctl.rules.rescontroller import rescontroller, rescontroller_reference
 
     g = torch.Generator().manual_seed(7)
     r = (torch.randn(shape, generator=g, dtype=torch.float64) * scale)

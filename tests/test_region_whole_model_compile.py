@@ -47,9 +47,9 @@ def test_the_merge_math_is_one_op_per_site_and_the_numbers_are_eager(method):
 def test_the_ops_pass_torch_library_opcheck():
     import importlib
 
-    from lightning_resctl.mgr.ops import _mgr_step_torch_op
+    from lightning_resctl.rules.mgr.ops import _mgr_step_torch_op
 
-    rc = importlib.import_module("lightning_resctl.rescontroller")
+    rc = importlib.import_module("lightning_resctl.rules.rescontroller.ops")
     r, u = torch.randn(3, 5, 8, requires_grad=True), torch.randn(3, 5, 8, requires_grad=True)
     torch.library.opcheck(rc._rescontroller_op, (r, u, 0.18, 1.08, 8.0, 8.0, 1e-12, -1, "torch-eager"))
     torch.library.opcheck(rc._rescontroller_op, (r.transpose(1, 2), u.transpose(1, 2), 0.18, 1.08, 8.0, 8.0, 1e-12,

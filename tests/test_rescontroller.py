@@ -14,13 +14,8 @@ import torch
 
 import lightning_resctl
 from lightning_resctl.runtime.memory import saved_tensor_bytes
-from lightning_resctl.rescontroller import (
-    ControllerScales,
-    ResController,
-    rescontroller,
-    rescontroller_reference,
-    rescontroller_scales,
-)
+from lightning_resctl.rules.rescontroller import (ControllerScales, ResController, rescontroller,
+                                                  rescontroller_reference, rescontroller_scales)
 from lightning_resctl.testing.models import wire_merges
 from models import NanoGPT
 

@@ -72,7 +72,7 @@ def test_cases_2_3_pool_values(sources, w, alpha, h):
     torch.testing.assert_close(a_ref, torch.tensor(alpha, dtype=D), rtol=0, atol=1e-7)
     torch.testing.assert_close(h_ref, torch.tensor(h, dtype=D), rtol=0, atol=1e-7)
     if len(sources) == 2:  # case 2: the logits
-        from lightning_resctl.rules._common import rms_norm
+        from lightning_resctl.rules.common import rms_norm
         z = rms_norm(src) @ torch.tensor(w, dtype=D)
         torch.testing.assert_close(z, _t(0.9999995, 1.3416407), rtol=0, atol=1e-7)
     # the runtime (sources as the chain input and updates of a Full chain) gives the same numbers
@@ -322,7 +322,7 @@ def test_full_attnres_computes_each_source_key_logits_once():
 def test_depth_mix_gradients_second_order_forward_ad_and_vmap():
     """The weighted sum over the sources (one autograd node per merge) against autograd's own derivatives: first and
     second order, forward-mode AD and batched gradients (vmap)."""
-    from lightning_resctl.rules.attnres import _DepthMixWithJvp as _DepthMix
+    from lightning_resctl.rules.attnres.ops import _DepthMixWithJvp as _DepthMix
 
     g = torch.Generator().manual_seed(9)
     alpha = torch.softmax(torch.randn(2, 3, generator=g, dtype=D), -1).requires_grad_()

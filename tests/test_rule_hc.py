@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_resctl.rules import make_rule
-from lightning_resctl.rules._common import frame_chain_reference, frame_read, frame_step_reference, frame_write
+from lightning_resctl.rules.frame import frame_chain_reference, frame_read, frame_step_reference, frame_write
 from lightning_resctl.rules.hc import (HCLayer, MHCLayer, hc_coefficients_reference, mhc_coefficients_reference,
                                        sinkhorn, sinkhorn_dsv4)
 from lightning_resctl.surgery import merge_sites, patch_residuals

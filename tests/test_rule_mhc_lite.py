@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_resctl.rules import make_rule
-from lightning_resctl.rules._common import frame_chain_reference, frame_write
+from lightning_resctl.rules.frame import frame_chain_reference, frame_write
 from lightning_resctl.rules.mhc_lite import MHCLiteLayer, mhc_lite_coefficients_reference, permutation_matrices
 from lightning_resctl.surgery import patch_residuals
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)

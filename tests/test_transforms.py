@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.autograd import forward_ad
 
-from lightning_resctl.mgr import MGRChain
-from lightning_resctl.rescontroller import ResController, rescontroller, rescontroller_reference
+from lightning_resctl.rules.mgr import MGRChain
+from lightning_resctl.rules.rescontroller import ResController, rescontroller, rescontroller_reference
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 C = 8

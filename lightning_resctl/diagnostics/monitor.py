@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..metrics import GradStats, StreamStats
+from .metrics import GradStats, StreamStats
 from . import depths as D_
 from .branch_params import BranchParameters
 from .sinks import PNGSink, Sink, sinks_for
@@ -112,7 +112,7 @@ class ResidualMonitor:
         prefix: tag prefix (``f"{prefix}/{family}/{depth:02d}"``).
 
     What is recorded: for depth d (merge index, ordered by chain then position, as in ``merge_sites(model)``)
-    the families of :mod:`lightning_resctl.metrics` (stream / update RMS and their ratio, growth, max|x|,
+    the families of :mod:`lightning_resctl.diagnostics.metrics` (stream / update RMS and their ratio, growth, max|x|,
     max|x| / median|x|, each rule's own families, stream and parameter gradient RMS) over the logging step's
     batch(es) — every ``with monitor.step(s)`` block of the same ``s`` adds to it (gradient accumulation) —
     reduced over ranks (``torch.distributed``; equal to one process on the union of the data, except

@@ -1,7 +1,8 @@
 """Merge rules: the one extension point for "what a residual merge computes".
 
 A *rule* is one class (plus its config dataclass, its modules and, if any, its kernels) registered
-under one or more names. Everything else — the surgery, the callbacks, the compare job — asks the
+under one or more names; a built-in rule lives in one folder, ``rules/<name>/`` (``config.py``, ``reference.py``,
+``ops.py``, ``modules.py``, ``stats.py``, ``rule.py``: the rule class, which registers itself on import). Everything else — the surgery, the callbacks, the compare job — asks the
 rule; nothing else branches on rule names.
 
 Two kinds of rules:
@@ -39,11 +40,9 @@ Registering a rule defined outside the package::
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
-import torch
 from torch import Tensor, nn
 
 __all__ = [
@@ -55,10 +54,6 @@ __all__ = [
     "merge_rules",
     "get_merge_rule",
     "make_rule",
-    "check_positive",
-    "check_finite",
-    "check_int",
-    "check_choice",
 ]
 
 
@@ -105,7 +100,13 @@ class MergeRule:
 
     # ------------------------------------------------------------------ configuration
     def validate(self, config: Any) -> None:
-        """Raise ValueError/TypeError naming the option and the value when ``config`` is invalid."""
+        """Raise ValueError/TypeError naming the option and the value when ``config`` is invalid.
+
+        The default asks the config: a ``Config`` with a ``validate()`` method (every built-in rule's) checks its
+        own options there, the one place of its checks (:mod:`lightning_resctl.rules.checks` has the helpers)."""
+        check = getattr(config, "validate", None)
+        if callable(check):
+            check()
 
     def options(self) -> dict:
         """The rule's options as a plain dict (what travels with checkpoints and reports)."""
@@ -306,38 +307,3 @@ def make_rule(method: str, options: Optional[dict] = None) -> MergeRule:
     kwargs = {**dict(entry.preset), **options}
     config = entry.rule_class.Config(**kwargs)
     return entry.rule_class(method, config)
-
-
-# ---------------------------------------------------------------------------------------------- option checks
-def check_finite(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def check_positive(name: str, value: Any) -> float:
-    value = check_finite(name, value)
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    return value
-
-
-def check_int(name: str, value: Any, minimum: int = 1, allow_none: bool = False) -> Optional[int]:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}{' or None' if allow_none else ''}, got {value!r}")
-    return value
-
-
-def check_choice(name: str, value: Any, choices: tuple) -> Any:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    return value
-
-
-def cast_like_add(stream: Tensor, update: Tensor) -> torch.dtype:
-    """The dtype ``stream + update`` would have (type promotion; under autocast the stream's dtype)."""
-    if torch.is_autocast_enabled(stream.device.type):
-        return stream.dtype
-    return torch.result_type(stream, update)

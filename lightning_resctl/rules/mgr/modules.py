@@ -2,38 +2,28 @@
 :class:`MGRRun` (a hand-driven pass)."""
 from __future__ import annotations
 
-import math
-import numbers
 import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from ..runtime.autograd import autocast_off, refuse_transforms
-from ..runtime.backends import RULE_BACKENDS, check_backend, opaque_under_compile, resolve_backend, torch_mode
-from ..runtime.triton import triton_available
+from ...runtime.triton import triton_available
+from ...runtime.backends import opaque_under_compile, resolve_backend, torch_mode
+from ...runtime.autograd import autocast_off, refuse_transforms
+from ..checks import check_int
+from ..common import check_rule_backend
+from .config import MGRConfig
 from .inversion import _InvertRun
 from .ops import _MGRStepFn, _TieZeroGrad, _kernels, _mgr_step_torch_op
-from .reference import (B_BASE, GATINGS, L_BASE, RMS_EPS, MGRInit, attn_pool_reference, mgr_bias_init,
-                        mgr_gates_reference, mgr_step_reference)
+from .reference import MGRInit, attn_pool_reference, mgr_bias_init, mgr_gates_reference, mgr_step_reference
 
-__all__ = ["MGRPool", "MGRMerge", "MGRRun", "MGRChain", "BACKENDS"]
+__all__ = ["MGRPool", "MGRMerge", "MGRRun", "MGRChain"]
+
 
 def _transformed() -> bool:
     """A torch.func transform or a forward-mode AD level is active."""
     return torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0
-
-
-def _check_real(name: str, value, positive: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if positive and not float(value) > 0.0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-
-
-#: Accepted backend names: the shared ones ("native" is an alias of "triton") plus the plain-autograd oracle.
-BACKENDS = RULE_BACKENDS
 
 
 class MGRPool(nn.Module):
@@ -69,7 +59,7 @@ class MGRMerge(nn.Module):
     Queries are zero-initialised; biases come from :func:`mgr_bias_init`.
     """
 
-    def __init__(self, index: int, dim: int, streams: int, gating: str = "competitive", *,
+    def __init__(self, index: int, dim: int, streams: int, gating: str = MGRConfig.gating, *,
                  accumulating: bool = False, init: Optional[MGRInit] = None):
         super().__init__()
         self.index, self.dim, self.streams, self.gating = int(index), int(dim), int(streams), gating
@@ -163,8 +153,9 @@ class MGRChain(nn.Module):
         gating: ``"competitive"`` (softmax with a forget logit; gates sum to < 1) or ``"independent"``.
         invert: fallback inversion in the backward: True, False or ``"auto"`` (fp32/fp64 streams, not under
             ``torch.compile``).
-        backend: ``"auto"``, ``"torch"`` (on CPU compiled when a C++ compiler is present, as ``"torch-compiled"``;
-            else ``"torch-eager"``), ``"torch-eager"``, ``"torch-compiled"``, ``"triton"`` (alias ``"native"``) or
+        backend: ``"auto"``, ``"torch"`` (on CPU the math runs eagerly while one region per direction compiles in
+            the background, when a C++ compiler is present; else eager), ``"torch-eager"``, ``"torch-compiled"``
+            (the regions compiled before the first call returns), ``"triton"`` (alias ``"native"``) or
             ``"reference"``.
         b_base, l_base, beta_init_max: the depth-aware init (see :func:`mgr_bias_init`).
         invert_top_p, invert_threshold, invert_max_gain: which rows the inversion saves exactly.
@@ -174,34 +165,16 @@ class MGRChain(nn.Module):
     :class:`MGRRun`; ``forward(x, branches)`` runs the whole chain with a sequence of branch callables.
     """
 
-    def __init__(self, dim: int, num_merges: int, streams: int = 4, gating: str = "competitive", invert="auto",
-                 backend: str = "auto", *, b_base: float = B_BASE, l_base: int = L_BASE, beta_init_max: float = 0.5,
-                 invert_top_p: float = 0.05, invert_threshold: float = 0.5, invert_max_gain: float = 8.0,
-                 eps: float = RMS_EPS):
+    def __init__(self, dim: int, num_merges: int, streams: int = MGRConfig.streams, gating: str = MGRConfig.gating,
+                 invert=MGRConfig.invert, backend: str = MGRConfig.backend, *, b_base: float = MGRConfig.b_base,
+                 l_base: int = MGRConfig.l_base, beta_init_max: float = MGRConfig.beta_init_max,
+                 invert_top_p: float = MGRConfig.invert_top_p, invert_threshold: float = MGRConfig.invert_threshold,
+                 invert_max_gain: float = MGRConfig.invert_max_gain, eps: float = MGRConfig.eps):
         super().__init__()
-        if not isinstance(streams, int) or isinstance(streams, bool) or streams < 2:
-            raise ValueError(f"streams must be an int >= 2, got {streams!r}")
-        if not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be a positive int, got {dim!r}")
-        if not isinstance(num_merges, int) or num_merges < 1:
-            raise ValueError(f"num_merges must be a positive int, got {num_merges!r}")
-        if gating not in GATINGS:
-            raise ValueError(f"gating must be one of {GATINGS}, got {gating!r}")
-        if invert not in (True, False, "auto"):
-            raise ValueError(f"invert must be True, False or 'auto', got {invert!r}")
-        if not 0.0 <= invert_top_p <= 1.0:
-            raise ValueError(f"invert_top_p must be in [0, 1], got {invert_top_p!r}")
-        if not 0.0 < invert_threshold <= 1.0:
-            raise ValueError(f"invert_threshold must be in (0, 1], got {invert_threshold!r}")
-        if not invert_max_gain > 1.0:
-            raise ValueError(f"invert_max_gain must be > 1, got {invert_max_gain!r}")
-        _check_real("eps", eps, positive=True)
-        _check_real("b_base", b_base)
-        if isinstance(l_base, bool) or not isinstance(l_base, numbers.Integral) or l_base < 1:
-            raise ValueError(f"l_base must be an int >= 1, got {l_base!r}")
-        _check_real("beta_init_max", beta_init_max)
-        if not 0.0 < beta_init_max < 1.0:
-            raise ValueError(f"beta_init_max must be in (0, 1), got {beta_init_max!r}")
+        MGRConfig(streams, gating, invert, backend, b_base, l_base, beta_init_max, invert_top_p, invert_threshold,
+                  invert_max_gain, eps).validate()
+        check_int("dim", dim, 1)
+        check_int("num_merges", num_merges, 1)
         self.set_backend(backend)
         self.dim, self.num_merges, self.streams, self.gating = dim, num_merges, streams, gating
         self.invert = invert
@@ -232,8 +205,8 @@ class MGRChain(nn.Module):
     # ---- configuration
     def set_backend(self, name: str) -> None:
         """Choose ``"auto"``, ``"torch"``, ``"triton"`` (alias ``"native"``), ``"torch-eager"``,
-        ``"torch-compiled"`` or ``"reference"`` (see :mod:`lightning_resctl.runtime.backends`)."""
-        name = check_backend(name, BACKENDS)
+        ``"torch-compiled"`` or ``"reference"`` (see :class:`MGRChain`)."""
+        name = check_rule_backend(name)
         if name == "triton" and not triton_available():
             raise RuntimeError("backend='triton' needs a CUDA device or TRITON_INTERPRET=1")
         if resolve_backend(name, None) == "triton":
@@ -358,7 +331,7 @@ class MGRChain(nn.Module):
         if run is None and opaque_under_compile():  # the torch path as one op per direction (backends)
             out, h, _, _ = _mgr_step_torch_op(streams, u, wq, gq, gb, fb, self.eps, backend)
             return out, h
-        # "torch" on CPU: one compiled region per direction when a C++ compiler is present (runtime.regions)
+        # "torch" on CPU: one compiled region per direction when a C++ compiler is present (lightning_resctl.runtime.backends)
         mode = "triton" if backend == "triton" else torch_mode(backend, streams)
         cfg = (mode, self.eps, run, k, k == self.num_merges - 1)
         return _MGRStepFn.apply(streams, u, wq, gq, gb, fb, cfg)

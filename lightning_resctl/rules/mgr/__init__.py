@@ -1,7 +1,7 @@
 """Multi-Gate Residuals (MGR): n gated streams per token instead of one residual stream.
 
 The math (AttnPool read, independent / competitive gates, the per-stream lerp, the depth-aware
-gate-bias init) is stated once, in :mod:`lightning_resctl.mgr.reference`, the oracle every other path
+gate-bias init) is stated once, in :mod:`.reference`, the oracle every other path
 is tested against.
 
 A chain of ``num_merges`` merges starts with one stream (the chain input x); the first n-1 merges
@@ -37,21 +37,25 @@ streams in eager mode; it is off under ``torch.compile`` and for half-precision 
 of a rounded bf16/fp16 output is not accurate). Saved for backward per gated merge and token: about
 (n+1)·C values without inversion (input streams and u), about (1 + top_p·n)·C with it (u and the exact
 rows), plus a few fp32 numbers per stream. A merge's output is only dropped when the next step receives
-that very tensor unchanged; otherwise it is kept (as if saved), so any driving order stays corre
+that very tensor unchanged; otherwise it is kept (as if saved), so any driving order stays correct.
 
-Package layout (one job per module): :mod:`.reference` (the oracle and the init formulas), :mod:`.ops` (the
-fused step: torch path, Triton dispatch, autograd Function), :mod:`.inversion` (fallback-inversion runtime),
-:mod:`.modules` (MGRPool, MGRMerge, MGRChain, MGRRun).
+One home (the same shape as every rule): :mod:`.config` (options, defaults, checks), :mod:`.reference` (the oracle
+and the init formulas), :mod:`.ops` (the fused step: torch path, Triton dispatch, autograd Function),
+:mod:`.inversion` (fallback-inversion runtime), :mod:`.modules` (MGRPool, MGRMerge, MGRChain, MGRRun),
+:mod:`.stats` (diagnostics), :mod:`.rule` (the registered rules ``mgr``, ``mgr-competitive``, ``mgr-independent``).
+Kernels: ``lightning_resctl.kernels.mgr``.
 """
 from __future__ import annotations
 
-from .modules import BACKENDS, MGRChain, MGRMerge, MGRPool, MGRRun
-from .reference import (B_BASE, GATINGS, L_BASE, RMS_EPS, MGRInit, attn_pool_reference, mgr_bias_init,
-                        mgr_gates_reference, mgr_merge_reference, mgr_step_reference, rms_norm)
-from .reference import _compute_dtype  # noqa: F401  (used by lightning_resctl.rules)
+from ..common import BACKENDS
+from .config import GATINGS, MGRConfig
+from .modules import MGRChain, MGRMerge, MGRPool, MGRRun
+from .reference import (B_BASE, L_BASE, MGRInit, attn_pool_reference, mgr_bias_init, mgr_gates_reference,
+                        mgr_merge_reference, mgr_step_reference)
+from .rule import MGRRule
 
 __all__ = [
-    "MGRChain", "MGRMerge", "MGRPool", "MGRRun", "MGRInit", "mgr_bias_init", "rms_norm",
+    "MGRConfig", "MGRRule", "MGRChain", "MGRMerge", "MGRPool", "MGRRun", "MGRInit", "mgr_bias_init",
     "attn_pool_reference", "mgr_gates_reference", "mgr_merge_reference", "mgr_step_reference",
-    "BACKENDS", "GATINGS", "RMS_EPS", "L_BASE", "B_BASE",
+    "BACKENDS", "GATINGS", "L_BASE", "B_BASE",
 ]

@@ -24,25 +24,16 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..runtime.autograd import fp32_matmul
+from ...runtime.autograd import fp32_matmul
+from ..common import RMS_EPS, compute_dtype, rms_norm
+from .config import MGRConfig
 
-__all__ = ["RMS_EPS", "L_BASE", "B_BASE", "GATINGS", "MGRInit", "mgr_bias_init", "rms_norm",
-           "attn_pool_reference", "mgr_gates_reference", "mgr_merge_reference", "mgr_step_reference"]
+__all__ = ["L_BASE", "B_BASE", "MGRInit", "mgr_bias_init", "attn_pool_reference", "mgr_gates_reference",
+           "mgr_merge_reference", "mgr_step_reference"]
 
-RMS_EPS = 1e-6
-L_BASE = 21
-B_BASE = -3.0
-GATINGS = ("independent", "competitive")
-
-
-def rms_norm(x: Tensor, eps: float = RMS_EPS) -> Tensor:
-    """``x / sqrt(mean(x^2) + eps)`` over the last dim, computed in fp32 (fp64 stays fp64), no parameters."""
-    x = x.double() if x.dtype == torch.float64 else x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _compute_dtype(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+#: the depth-aware init's reference depth and base logit (the paper's GPT-2-small setting; MGRConfig's defaults)
+L_BASE = MGRConfig.l_base
+B_BASE = MGRConfig.b_base
 
 
 def attn_pool_reference(streams: Tensor, query: Tensor, eps: float = RMS_EPS) -> tuple[Tensor, Tensor]:
@@ -50,7 +41,7 @@ def attn_pool_reference(streams: Tensor, query: Tensor, eps: float = RMS_EPS) ->
 
     ``streams`` (..., m, C), ``query`` (C,). Returns ``(h (..., C) in the streams' dtype, a (..., m) fp32)``.
     """
-    cd = _compute_dtype(streams)
+    cd = compute_dtype(streams)
     c = streams.shape[-1]
     a = torch.softmax(fp32_matmul(rms_norm(streams, eps), query.to(cd)) / math.sqrt(c), dim=-1)
     h = (a.unsqueeze(-1) * streams.to(cd)).sum(-2)
@@ -58,14 +49,14 @@ def attn_pool_reference(streams: Tensor, query: Tensor, eps: float = RMS_EPS) ->
 
 
 def mgr_gates_reference(streams: Tensor, gate_query: Tensor, gate_bias: Tensor, forget_bias: Optional[Tensor] = None,
-                        gating: str = "competitive", eps: float = RMS_EPS) -> tuple[Tensor, Optional[Tensor]]:
+                        gating: str = MGRConfig.gating, eps: float = RMS_EPS) -> tuple[Tensor, Optional[Tensor]]:
     """Gates of one merge: ``z_i = q . RMSNorm(s_i) / sqrt(C)``;
     independent ``beta_i = sigmoid(z_i + b_i)``; competitive ``softmax([f, z_i + c_i])``.
 
     Returns ``(beta (..., n), forget (...) or None)`` in fp32 (the forget gate ``1 - sum beta`` for
     competitive gating).
     """
-    cd = _compute_dtype(streams)
+    cd = compute_dtype(streams)
     c = streams.shape[-1]
     z = fp32_matmul(rms_norm(streams, eps), gate_query.to(cd)) / math.sqrt(c) + gate_bias.to(cd)
     if gating == "independent":
@@ -76,7 +67,7 @@ def mgr_gates_reference(streams: Tensor, gate_query: Tensor, gate_bias: Tensor, 
 
 
 def mgr_merge_reference(streams: Tensor, u: Tensor, gate_query: Tensor, gate_bias: Tensor,
-                        forget_bias: Optional[Tensor] = None, gating: str = "competitive",
+                        forget_bias: Optional[Tensor] = None, gating: str = MGRConfig.gating,
                         eps: float = RMS_EPS) -> tuple[Tensor, Tensor]:
     """One gated merge ``s'_i = (1 - beta_i) s_i + beta_i u`` (fp32 math). Returns ``(streams', beta)``."""
     beta, _ = mgr_gates_reference(streams, gate_query, gate_bias, forget_bias, gating, eps)
@@ -88,7 +79,7 @@ def mgr_merge_reference(streams: Tensor, u: Tensor, gate_query: Tensor, gate_bia
 
 def mgr_step_reference(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor] = None,
                        gate_bias: Optional[Tensor] = None, forget_bias: Optional[Tensor] = None,
-                       gating: str = "competitive", eps: float = RMS_EPS) -> tuple[Tensor, Tensor]:
+                       gating: str = MGRConfig.gating, eps: float = RMS_EPS) -> tuple[Tensor, Tensor]:
     """One step of a chain: the merge (append ``u`` when ``gate_query`` is None — an accumulating merge —
     else gate + lerp), then the next AttnPool with ``next_query``. Returns ``(streams', h_next)``."""
     if gate_query is None:
@@ -111,8 +102,8 @@ class MGRInit(NamedTuple):
     note: Optional[str]
 
 
-def mgr_bias_init(num_gated: int, streams: int, gating: str = "competitive", b_base: float = B_BASE,
-                  l_base: int = L_BASE, beta_init_max: float = 0.5) -> MGRInit:
+def mgr_bias_init(num_gated: int, streams: int, gating: str = MGRConfig.gating, b_base: float = B_BASE,
+                  l_base: int = L_BASE, beta_init_max: float = MGRConfig.beta_init_max) -> MGRInit:
     """Depth-aware gate-bias init so that every gate starts at ``beta = sigmoid(b_base) * sqrt(l_base / L)``.
 
     With ``g = sqrt(L / l_base) * (exp(-b_base) + 1)`` (L = ``num_gated``):
@@ -122,10 +113,8 @@ def mgr_bias_init(num_gated: int, streams: int, gating: str = "competitive", b_b
     and ``note`` says so.
     """
     n = int(streams)
-    if gating not in GATINGS:
-        raise ValueError(f"gating must be one of {GATINGS}, got {gating!r}")
-    if not 0.0 < beta_init_max < 1.0:
-        raise ValueError(f"beta_init_max must be in (0, 1), got {beta_init_max!r}")
+    MGRConfig.check("gating", gating)
+    MGRConfig.check("beta_init_max", beta_init_max)
     if num_gated <= 0:
         note = (f"MGR chain has no gated merges (num_merges <= streams - 1 = {n - 1}); "
                 "all merges accumulate, no gate bias to initialise")

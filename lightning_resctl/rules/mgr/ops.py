@@ -6,7 +6,7 @@
 * :class:`_MGRStepFn` dispatches to either and, with a :class:`~.inversion._InvertRun`, saves only what the
   fallback inversion needs.
 
-The math is stated (and implemented as the oracle) in :mod:`lightning_resctl.mgr.reference`.
+The math is stated (and implemented as the oracle) in :mod:`.reference`.
 """
 from __future__ import annotations
 
@@ -17,12 +17,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..runtime.autograd import autocast_off, op_outputs, refuse_second_derivative
-from ..runtime.backends import torch_mode
-from ..runtime.regions import CompiledMath
-from ..runtime.triton import load_kernels
+from ...runtime.autograd import op_outputs, refuse_second_derivative, autocast_off
+from ...runtime.backends import torch_mode
+from ...runtime.regions import CompiledMath
+from ..common import compute_dtype, kernel_loader
 from .inversion import output_streams, reconstruct_inputs
-from .reference import _compute_dtype
 
 __all__ = ["_MGRStepFn", "_TieZeroGrad", "_torch_step_forward", "_torch_step_backward", "_kernels", "_mgr_step_torch_op"]
 
@@ -48,7 +47,7 @@ def _torch_step_forward(streams: Tensor, u: Tensor, next_query: Tensor, gate_que
     ``beta (T, m) | None, a (T, m'), stats`` where ``stats`` holds the per-row fp32 quantities the closed-form
     backward reuses: ``(r, q.s, r', w.s')`` (r, q.s None when accumulating), r = 1/rms."""
     lead, m, c = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
-    cd = _compute_dtype(streams)
+    cd = compute_dtype(streams)
     inv = 1.0 / math.sqrt(c)
     if gate_query is None:
         out = torch.cat([streams, u.unsqueeze(-2)], dim=-2)
@@ -81,7 +80,7 @@ def _torch_step_backward(streams: Tensor, u: Optional[Tensor], beta: Optional[Te
     ``da_i = dh.s'_i``; lerp: ``dS_i = (1 - beta_i) G_i + cz_i (q - (q.s_i) r_i^2 s_i / C)``,
     ``du = sum beta_i G_i``, ``dbeta_i = G_i.(u - s_i)``, ``cz = dz r / sqrt(C)`` with dz the gate-logit grads."""
     t, m, c = streams.shape
-    cd = _compute_dtype(streams)
+    cd = compute_dtype(streams)
     inv = 1.0 / math.sqrt(c)
     gated = gate_query is not None
     s = streams.to(cd)
@@ -138,14 +137,11 @@ def _torch_step_backward(streams: Tensor, u: Optional[Tensor], beta: Optional[Te
     return ds.to(streams.dtype), du.to(u.dtype), d_q, d_bias, d_forget, d_next
 
 
-
-def _kernels():
-    """``lightning_resctl.kernels.mgr`` (imported once, eagerly by the chain, so compiled code only reads it)."""
-    return load_kernels("mgr")
+_kernels = kernel_loader("mgr")
 
 
 #: (forward, backward) of the torch path for a torch_mode: eager ops, or one compiled region each
-#: (lightning_resctl.runtime.regions)
+#: (lightning_resctl.runtime.backends)
 _torch_fns = CompiledMath(_torch_step_forward, _torch_step_backward)
 
 

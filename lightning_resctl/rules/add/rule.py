@@ -4,7 +4,9 @@
 was ``+=`` / ``add_``)."""
 from __future__ import annotations
 
-from .base import MergeRule
+from ..base import MergeRule, register_merge_rule
+
+__all__ = ["AddRule"]
 
 
 class AddRule(MergeRule):
@@ -28,3 +30,6 @@ class AddRule(MergeRule):
     def merge_parallel(self, module, stream, updates, partial, inplace, stream_first=True):
         # the model's own last addition, on its own partial sum: bitwise the block as written
         return self.merge_written(module, partial, updates[-1], inplace, stream_first)
+
+
+register_merge_rule("add", AddRule)

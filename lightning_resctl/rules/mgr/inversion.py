@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .reference import _compute_dtype
+from ..common import compute_dtype
 
 __all__ = ["_InvertRun", "reconstruct_inputs", "output_streams"]
 
@@ -54,11 +54,10 @@ class _InvertRun:
         return mask
 
 
-
 def reconstruct_inputs(out2: Tensor, u2: Tensor, beta: Tensor, mask: Tensor, exact: Tensor) -> Tensor:
     """Inputs of a gated merge from its output (flat ``(T, m, C)``): ``s = lerp(u, s', 1 / (1 - beta))``,
     with the exactly saved rows put back."""
-    cd = _compute_dtype(out2)
+    cd = compute_dtype(out2)
     wgt = (1.0 - beta.to(cd)).clamp_min(1e-30).reciprocal_().unsqueeze(-1)
     s2 = torch.lerp(u2.to(cd).unsqueeze(1).expand_as(out2), out2.to(cd), wgt)
     s2[mask] = exact.to(cd)

@@ -1,7 +1,5 @@
-"""Pieces shared by the baseline chain rules (``attnres*``, ``hc``, ``mhc``, ``mhc-lite``).
+"""The frame the hyper-connection family (``hc``, ``mhc``, ``mhc-lite``) shares, written once.
 
-* :func:`rms_norm` (fp32, fp64 stays fp64; no affine) and :func:`compute_dtype` — re-used from
-  :mod:`lightning_resctl.mgr`, so every rule normalises the same way;
 * the **common "pre / res / post" frame** of the hyper-connection family (docs/rules/hc.md): n streams
   per token ``S (..., n, C)``; sub-layer j has coefficients ``pre_j (n)``, ``res_j (n, n)``, ``post_j (n)``
   computed from ``S_j``::
@@ -11,7 +9,7 @@
 
   :class:`FrameChain` holds one coefficient module per merge (each with ``coefficients(S)`` and
   ``reset_parameters()``); :class:`FrameRule` is the chain-rule runtime for any such family (HC, mHC,
-  mHC-lite differ only in their coefficient modules).
+  mHC-lite differ only in their coefficient modules); its diagnostics: :class:`~.stats.FrameStats`.
 
 Surgery mapping (site k receives u_k): the chain input x is expanded into n copies; the coefficients of
 merge k are computed lazily from the streams entering it (the *reader* owns them: after merge k the model
@@ -26,29 +24,14 @@ import torch
 from torch import Tensor, nn
 
 from ..runtime.autograd import autocast_off, fp32_bmm
-from ..mgr import RMS_EPS, _compute_dtype as compute_dtype, rms_norm  # noqa: F401  (shared, re-exported)
-from .base import ChainRule, check_choice, check_finite, check_int
+from .base import ChainRule
+from .checks import check_choice, check_eps, check_int
+from .common import compute_dtype
 
-__all__ = ["rms_norm", "compute_dtype", "RMS_EPS", "check_eps", "check_bool", "FrameState", "FrameChain",
-           "FrameRule", "frame_read", "frame_write", "frame_reduce", "frame_step_reference",
-           "frame_chain_reference", "gated_pre_post", "REDUCES"]
+__all__ = ["FrameState", "FrameChain", "FrameRule", "frame_read", "frame_write", "frame_reduce",
+           "frame_step_reference", "frame_chain_reference", "gated_pre_post", "pm_one", "check_frame_options", "REDUCES"]
 
 REDUCES = ("sum", "mean")
-
-
-# ---------------------------------------------------------------------------------------------- option checks
-def check_eps(name: str, value) -> float:
-    """A finite eps >= 0 (0 disables the floor: exact scale invariance, NaN on all-zero rows)."""
-    value = check_finite(name, value)
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return value
-
-
-def check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------- frame math
@@ -93,6 +76,13 @@ def frame_write(streams: Tensor, res: Tensor, post: Tensor, u: Optional[Tensor])
     if u is not None:
         acc = torch.addcmul(acc, post.unsqueeze(-1), u.to(cd).unsqueeze(-2))
     return acc.to(streams.dtype)
+
+
+def pm_one(n: int, j: int, ref: Tensor) -> Tensor:
+    """+1 at stream ``j mod n``, -1 elsewhere (FFTYYY's bias init of pre and post; mHC and mHC-lite)."""
+    v = torch.full((n,), -1.0, dtype=ref.dtype, device=ref.device)
+    v[j % n] = 1.0
+    return v
 
 
 def gated_pre_post(m: Tensor, alpha: Tensor, bias: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -163,21 +153,17 @@ class FrameChain(nn.Module):
         return f"dim={self.dim}, num_merges={self.num_merges}, streams={self.streams}, reduce={self.reduce!r}"
 
 
+def check_frame_options(config) -> None:
+    """The options every frame rule has: ``streams`` (an int >= 1), ``reduce``, ``eps`` (its configs call this)."""
+    check_int("streams", config.streams, 1)
+    check_choice("reduce", config.reduce, REDUCES)
+    check_eps("eps", config.eps)
+
+
 class FrameRule(ChainRule):
-    """Chain-rule runtime of the pre/res/post frame. Subclasses set ``Config`` (with ``streams``, ``reduce``)
-    and implement :meth:`build_layer`; the coefficient modules implement ``coefficients(S)``."""
-
-    max_streams: Optional[int] = None
-
-    def validate(self, config):
-        check_int("streams", config.streams, 1)
-        if self.max_streams is not None and config.streams > self.max_streams:
-            raise ValueError(self.too_many_streams(config.streams))
-        check_choice("reduce", config.reduce, REDUCES)
-        check_eps("eps", config.eps)
-
-    def too_many_streams(self, n: int) -> str:
-        return f"streams must be <= {self.max_streams} for method={self.name!r}, got {n!r}"
+    """Chain-rule runtime of the pre/res/post frame. Subclasses set ``Config`` (with ``streams``, ``reduce``,
+    ``eps``; its ``validate()`` calls :func:`check_frame_options`) and implement :meth:`build_layer`; the
+    coefficient modules implement ``coefficients(S)``."""
 
     def summary(self):
         return f"n={self.config.streams}"
@@ -220,7 +206,7 @@ class FrameRule(ChainRule):
 
     # ---- diagnostics
     def make_stats(self, num_depths, model):
-        from ._stats import FrameStats
+        from .stats import FrameStats  # torchmetrics: imported when diagnostics are asked for
 
         return FrameStats(num_depths, self.config.streams, prefix=self.stats_prefix)
 

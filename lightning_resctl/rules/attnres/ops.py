@@ -1,0 +1,151 @@
+"""The AttnRes training path: the depth pool over the existing source tensors (formula: :mod:`.reference`).
+
+The sources are kept as a tuple of the existing tensors (the updates
+themselves, fp32 copies only for half-precision streams). A source's key logits depend only on the source and on
+the (input-independent) queries, so they are computed once, when the source is complete, for every site that will
+read it: ``Z_i = (V_i @ [q_j g_j]_{j >= first_i}^T) * rms_i`` (one matmul per source; site j takes column j).
+Only the partial block (Block AttnRes) changes from merge to merge and gets its one logit per merge. Each merge
+then stacks its m logits, takes the softmax and accumulates ``h = sum_i alpha_i V_i`` over the existing tensors —
+autograd saves only views of the sources, the logits and the m weights per token, never an (m, C) stack per merge
+(that would be O(K^2 C) memory for Full AttnRes). The weighted sum reads every source at every merge: Full
+AttnRes costs O(K^2) passes over (..., C) by construction, its logits O(K) (docs/rules/attnres.md).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ...runtime.autograd import autocast_off, fp32_matmul
+from .modules import AttnResChain
+
+__all__ = ["AttnResState"]
+
+
+class AttnResState(NamedTuple):
+    """Completed blocks (b_0 = x first) with their key logits, the partial block (None: empty), the number of
+    update positions passed (``t`` = position of the last merge that ran + 1) and every site's query ``q * g``
+    stacked ``(K, C)`` (computed once per forward).
+
+    ``logits[i]``: block i's logits for the sites from the one where it was completed on, as a tuple of
+    ``(..., 1)`` columns (``logits[i][j - first[i]]`` is site j's); ``first[i]`` that site."""
+
+    blocks: tuple
+    logits: tuple
+    first: tuple
+    partial: Optional[Tensor]
+    t: int
+    queries: Tensor
+
+    def sources(self) -> list:
+        return list(self.blocks) + ([] if self.partial is None else [self.partial])
+
+
+def _rms(v: Tensor, eps: float) -> Tensor:
+    return torch.rsqrt((v * v).mean(-1, keepdim=True) + eps)
+
+
+def _site_queries(chain: AttnResChain, dtype: torch.dtype) -> Tensor:
+    """Every site's ``q * g`` stacked ``(K, C)`` in ``dtype``."""
+    q = torch.stack([m.pool_query for m in chain.merges]).to(dtype)
+    if chain.merges[0].key_norm_affine:
+        q = q * torch.stack([m.key_norm_weight for m in chain.merges]).to(dtype)
+    return q
+
+
+def _block_logits(chain: AttnResChain, v: Tensor, queries: Tensor, first: int) -> tuple:
+    """Logits of a completed source ``v`` for sites ``first..K-1``: ``(v . w_j) * rms(v)`` as ``(..., 1)``
+    columns (one matmul for all of them)."""
+    z = fp32_matmul(v, queries[first:].mT) * _rms(v, chain.eps)
+    return z.unsqueeze(-1).unbind(-2)
+
+
+def _pool(chain: AttnResChain, j: int, state: AttnResState) -> tuple[Tensor, Tensor]:
+    """Pool the state's sources with site j's query, over the existing tensors. Returns ``(h, alpha)`` in the
+    compute dtype."""
+    z = [cols[j - f] for cols, f in zip(state.logits, state.first)]
+    srcs = state.blocks
+    if state.partial is not None:
+        p = state.partial
+        z.append((p * state.queries[j]).sum(-1, keepdim=True) * _rms(p, chain.eps))
+        srcs = srcs + (p,)
+    alpha = torch.softmax(torch.cat(z, dim=-1), dim=-1)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (alpha, *srcs))):
+        # nothing to differentiate (no_grad / inference_mode / frozen): the plain sum. Dynamo mis-traces a
+        # setup_context-style Function's forward when no graph is recorded ("'Function' object is not subscriptable").
+        return _depth_mix(alpha, srcs), alpha
+    mix = _DepthMix if torch.compiler.is_compiling() else _DepthMixWithJvp  # dynamo does not trace a custom jvp
+    return mix.apply(alpha, *srcs), alpha
+
+
+def _depth_mix(alpha: Tensor, sources: Sequence[Tensor]) -> Tensor:
+    """``h = sum_i alpha[..., i] V_i`` (the forward of :class:`_DepthMix`)."""
+    h = sources[0] * alpha[..., 0:1]
+    for i in range(1, len(sources)):
+        h.addcmul_(sources[i], alpha[..., i:i + 1])
+    return h
+
+
+class _DepthMix(torch.autograd.Function):
+    """``h = sum_i alpha[..., i] V_i`` over the existing source tensors, as one autograd node per merge.
+
+    Saves ``alpha`` and the sources (no copy). Backward ``d_alpha_i = dh . V_i``, ``dV_i = alpha_i dh``: one read
+    of each source and one write of its gradient, where autograd of the unrolled sum would write a temporary
+    per source as well. Differentiable again (its backward is torch ops); vmap works; forward-mode AD: see
+    :class:`_DepthMixWithJvp`."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(alpha, *sources):
+        return _depth_mix(alpha, sources)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        alpha, *sources = ctx.saved_tensors
+        d_alpha = None
+        with autocast_off(grad.device.type):  # vecdot in the sources' dtype (autocast would run it in bf16)
+            if ctx.needs_input_grad[0]:
+                d_alpha = torch.stack([torch.linalg.vecdot(grad, v) for v in sources], dim=-1)
+        weights = alpha.unsqueeze(-1).unbind(-2)
+        return (d_alpha, *(grad * a if need else None for a, need in zip(weights, ctx.needs_input_grad[1:])))
+
+
+class _DepthMixWithJvp(_DepthMix):
+    """:class:`_DepthMix` with forward-mode AD (eager only: dynamo does not trace a custom ``jvp``)."""
+
+    @staticmethod
+    def jvp(ctx, d_alpha, *d_sources):
+        alpha, *sources = ctx.saved_tensors
+        out = None
+        for i, (v, dv) in enumerate(zip(sources, d_sources)):
+            for a, t in ((alpha[..., i:i + 1], dv), (None if d_alpha is None else d_alpha[..., i:i + 1], v)):
+                if a is not None and t is not None:
+                    out = t * a if out is None else out.addcmul_(t, a)
+        return out
+
+
+def _advance(chain: AttnResChain, k: int, state: AttnResState, u: Optional[Tensor]) -> AttnResState:
+    """Merge ``u`` (None: dropped) as merge k: close a partial block left over from an earlier block (merges that
+    did not run in this forward), add u to the partial, close it at a block boundary. A block closed here is read
+    from site k on: its logits are computed for sites k..K-1."""
+    s = chain.block_size
+    blocks, logits, first, p = state.blocks, state.logits, state.first, state.partial
+
+    def close(p):
+        return blocks + (p,), logits + (_block_logits(chain, p, state.queries, k),), first + (k,)
+
+    if p is not None and (state.t - 1) // s != k // s:
+        (blocks, logits, first), p = close(p), None
+    if u is not None:
+        p = u if p is None else p + u
+    t = k + 1
+    if p is not None and t % s == 0:
+        (blocks, logits, first), p = close(p), None
+    return AttnResState(blocks, logits, first, p, t, state.queries)

@@ -1,0 +1,104 @@
+"""``attnres`` (Full Attention Residuals) and ``attnres-block`` (Block AttnRes), Kimi Team 2603.15031, as chain
+rules (docs/rules/attnres.md; the formula: :mod:`.reference`; the training path: :mod:`.ops`)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..base import ChainRule, register_merge_rule
+from ..common import compute_dtype
+from .config import AttnResConfig, BlockAttnResConfig
+from .modules import AttnResChain
+from .ops import AttnResState, _advance, _block_logits, _pool, _site_queries
+from .reference import default_block_size
+
+__all__ = ["AttnResRule", "BlockAttnResRule"]
+
+
+class AttnResRule(ChainRule):
+    Config = AttnResConfig
+    description = "Full Attention Residuals: each sub-layer reads a softmax-weighted mix of all earlier updates"
+    identity_at_init = True  # pre-norm models, up to the norms' eps (docs/rules/attnres.md); Block AttnRes too
+    chain_attr = "_resctl_attnres"
+
+    def block_size(self, num_merges: int) -> int:
+        return 1
+
+    def summary(self):
+        return "full"
+
+    def build_chain(self, dim, num_merges):
+        c = self.config
+        return AttnResChain(dim, num_merges, self.block_size(num_merges), c.key_norm_affine, c.eps)
+
+    # ---- runtime
+    def start(self, chain, x):
+        v = x.to(compute_dtype(x))
+        queries = _site_queries(chain, v.dtype)
+        return AttnResState((v,), (_block_logits(chain, v, queries, 0),), (0,), None, 0, queries)
+
+    def _read(self, chain, state, next_k, dtype):
+        h, _ = _pool(chain, next_k - 1, state)
+        return state, h.to(dtype)
+
+    def step(self, chain, k, state, u, next_k):
+        state = _advance(chain, k, state, u.to(compute_dtype(u)))
+        return self._read(chain, state, next_k, u.dtype)
+
+    def skip(self, chain, k, state, next_k):
+        """Ablation *(choice)*: the update is not added to any source (Full: no new source); block boundaries stay
+        where they are."""
+        dtype = state.blocks[0].dtype
+        return self._read(chain, _advance(chain, k, state, None), next_k, dtype)
+
+    def streams(self, chain, state):
+        """The current sources stacked ``(..., m, C)`` (diagnostics only: a copy)."""
+        return torch.stack(state.sources(), dim=-2) if isinstance(state, AttnResState) else state
+
+    def weights(self, chain, k: int, state: AttnResState, u: Tensor) -> Tensor:
+        """alpha ``(..., m)`` of site k: its query over the sources after merging ``u`` into ``state``."""
+        _, alpha = _pool(chain, k, _advance(chain, k, state, u.to(compute_dtype(u))))
+        return alpha
+
+    # ---- diagnostics
+    def make_stats(self, num_depths, model):
+        from .stats import AttnResStats  # torchmetrics: imported when diagnostics are asked for
+
+        sizes = [m.max_sources for m in model.modules() if isinstance(m, AttnResChain)]
+        return AttnResStats(num_depths, max(sizes) if sizes else num_depths + 1)
+
+    def observe(self, stats, depth, site, position, stream, update, state):
+        if not isinstance(state, AttnResState):
+            return
+        d = site.dim
+        u = update.detach()
+        if d != -1 and d != u.dim() - 1:
+            u = u.movedim(d, -1)
+        u = u.reshape(state.blocks[0].shape)
+        stats.update(depth, alpha=self.weights(site.chain_module, int(position), state, u))
+
+
+class BlockAttnResRule(AttnResRule):
+    Config = BlockAttnResConfig
+    description = "Block Attention Residuals: sub-layers read a softmax-weighted mix of block sums of updates"
+    chain_attr = "_resctl_attnres_block"
+
+    def block_size(self, num_merges):
+        c = self.config
+        if c.block_size is not None:
+            return c.block_size
+        if c.num_blocks is not None:
+            return math.ceil(num_merges / c.num_blocks)
+        return default_block_size(num_merges)
+
+    def summary(self):
+        c = self.config
+        if c.block_size is not None:
+            return f"block_size={c.block_size}"
+        return f"num_blocks={c.num_blocks}" if c.num_blocks is not None else "block_size=default"
+
+
+register_merge_rule("attnres", AttnResRule)
+register_merge_rule("attnres-block", BlockAttnResRule)

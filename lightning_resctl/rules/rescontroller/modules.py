@@ -1,0 +1,68 @@
+"""The ResController merge as an ``nn.Module`` (parameter-free; the rule: :mod:`.reference`)."""
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ..common import check_rule_backend
+from .config import ResControllerConfig
+from ...runtime.backends import resolve_backend
+from .ops import rescontroller
+from .reference import _check_dim_type
+
+__all__ = ["ResController"]
+
+
+class ResController(nn.Module):
+    """Parameter-free ResController merge as a module: ``controller(residual, update)``.
+
+    Computes per row along ``dim``: ``out = r + s_u·s_s·u`` where ``s_u`` softly caps the
+    update RMS at ``update_ratio·RMS(r)`` and ``s_s`` softly caps the candidate stream RMS
+    ``RMS(r + s_u u)`` at ``stream_ratio·RMS(r)`` (full rule: :func:`rescontroller_reference`).
+    """
+
+    def __init__(
+        self,
+        update_ratio: float = ResControllerConfig.update_ratio,
+        stream_ratio: float = ResControllerConfig.stream_ratio,
+        update_softness: float = ResControllerConfig.update_softness,
+        stream_softness: float = ResControllerConfig.stream_softness,
+        eps: float = ResControllerConfig.eps,
+        *,
+        dim: int = -1,
+        backend: str = ResControllerConfig.backend,
+    ):
+        super().__init__()
+        (self.update_ratio, self.stream_ratio, self.update_softness, self.stream_softness, self.eps) = (
+            ResControllerConfig(update_ratio, stream_ratio, update_softness, stream_softness, eps).math()
+        )
+        self.dim = _check_dim_type(dim)
+        self.backend = "auto"
+        self.set_backend(backend)
+
+    def set_backend(self, name: str) -> "ResController":
+        """Choose "auto", "triton" (alias "native"), "torch" ("torch-eager", "torch-compiled") or "reference"
+        (see :func:`rescontroller`); returns self."""
+        self.backend = check_rule_backend(name)
+        return self
+
+    def resolved_backend(self, tensor: Tensor | None = None) -> str:
+        """The backend a call on ``tensor`` would use ("triton", "reference" or a "torch" variant)."""
+        return resolve_backend(self.backend, tensor)
+
+    def options(self) -> dict:
+        """The rule's options (keyword arguments of :func:`rescontroller`, without ``backend``)."""
+        return dict(
+            update_ratio=self.update_ratio,
+            stream_ratio=self.stream_ratio,
+            update_softness=self.update_softness,
+            stream_softness=self.stream_softness,
+            eps=self.eps,
+            dim=self.dim,
+        )
+
+    def forward(self, residual: Tensor, update: Tensor) -> Tensor:
+        return rescontroller(residual, update, **self.options(), backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.options().items()) + f", backend={self.backend!r}"
+
