@@ -121,7 +121,7 @@ def test_every_imported_package_is_installed_by_the_test_command():
 # Requirements of a ``--no-deps`` package that the suite deliberately goes without, with the reason.
 NOT_INSTALLED_ON_PURPOSE = {
     "torchvision": "timm requires it; its PyPI build is a CUDA build that does not load beside the CPU torch pin "
-                   "(the suite imports timm through lightning_resctl.testing.timm_import.import_timm)",
+                   "(the suite imports timm through tests.support.timm_import.import_timm)",
 }
 
 

@@ -21,7 +21,7 @@ from lightning_resctl.rescontroller import (
     rescontroller_reference,
     rescontroller_scales,
 )
-from lightning_resctl.testing.models import wire_merges
+from tests.support.models import wire_merges
 from models import NanoGPT
 
 BACKENDS = ["torch", "triton"]
