@@ -189,7 +189,7 @@ def plot(args, results: dict, path: str) -> None:
     import numpy as np
     from matplotlib import image
 
-    from lightning_resctl.plots import curves_figure, figure_to_array
+    from lightning_resctl.diagnostics.plots import curves_figure, figure_to_array
 
     rows = []
     for key, ylabel in (("median", "step time / plain"), ("saved", "saved bytes / plain")):

@@ -1,4 +1,4 @@
-"""Per-depth metric math (lightning_resctl.metrics) and the plotting helpers (lightning_resctl.plots)."""
+"""Per-depth metric math (lightning_resctl.metrics) and the plotting helpers (lightning_resctl.diagnostics.plots)."""
 from __future__ import annotations
 
 import math
@@ -14,7 +14,7 @@ from lightning_resctl.metrics import (
     StreamStats,
     histogram_median,
 )
-from lightning_resctl.plots import curves_figure, figure_to_array, heatmap_figure
+from lightning_resctl.diagnostics.plots import curves_figure, figure_to_array, heatmap_figure
 from lightning_resctl.rescontroller import rescontroller_scales
 
 
