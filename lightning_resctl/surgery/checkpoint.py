@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from .._triton import triton_available
-from .patch import _SITE_PREFIX, get_patch_report, merge_sites, patch_residuals
+from .api import get_patch_report, merge_sites, patch_residuals
+from .plan import SITE_PREFIX
 from .report import PatchReport
 
 __all__ = ["load_unpatched_state_dict", "patch_from_state_dict", "patch_from_checkpoint", "PatchOnLoadMixin",
@@ -83,7 +84,7 @@ def _records(state_dict: dict) -> list:
         if not key.endswith(_SUFFIX):
             continue
         owner, _, attr = key[:-len(_SUFFIX)].rpartition(".")
-        if attr.startswith(_SITE_PREFIX):
+        if attr.startswith(SITE_PREFIX):
             record = decode_record(value)
             if isinstance(record, dict) and "method" in record:
                 out.append((owner, record))

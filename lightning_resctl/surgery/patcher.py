@@ -12,7 +12,7 @@ from torch import nn
 
 from .._logging import rank_zero_line
 from ..rules import get_merge_rule, make_rule
-from .patch import get_patch_report, merge_sites, patch_residuals, unpatch_residuals
+from .api import get_patch_report, merge_sites, patch_residuals, unpatch_residuals
 
 __all__ = ["ResidualPatcher", "merge_options", "check_method", "ensure_patched", "patch_copies", "patch_line"]
 
