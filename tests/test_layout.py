@@ -108,3 +108,21 @@ def test_imports_run_one_way_sees_an_upward_import(tmp_path):
     found = upward_imports(pkg, exports={"Callback": "callbacks"})
     assert found == ["lightning_resctl.diagnostics.m (diagnostics) imports lightning_resctl.callbacks (callbacks) at m.py:2",
                      "lightning_resctl.diagnostics.m (diagnostics) imports lightning_resctl.callbacks (callbacks) at m.py:3"]
+
+
+def backend_names_in(folder: Path) -> list[str]:
+    """Every string constant in the modules of ``folder`` that is a backend name or the ``backend`` option itself."""
+    from lightning_resctl.backends import ALIASES, BACKENDS
+
+    names = {*BACKENDS, *ALIASES, "backend"}
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.name}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_surgery_names_no_backend():
+    # which backends a rule can run where is the rule's business (MergeRule.runnable_options), not the surgery's
+    assert backend_names_in(PACKAGE / "surgery") == []
