@@ -327,7 +327,7 @@ def test_deepcopy_of_a_patched_model():
     clone = copy.deepcopy(model)
     assert torch.equal(clone(x), model(x))
     assert len(merge_sites(clone)) == 4
-    assert merge_sites(clone)[0].mgr_chain is clone._resctl_mgr0
+    assert merge_sites(clone)[0].chain_module is clone._resctl_mgr0
     unpatch_residuals(clone)
     assert type(clone.h[0]) is Block and type(model.h[0]) is not Block
 

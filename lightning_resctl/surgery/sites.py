@@ -380,11 +380,6 @@ class MergeSite(nn.Module):
         run = self._run
         return None if run is None else run.state
 
-    @property
-    def mgr_chain(self) -> Optional[nn.Module]:
-        """Alias of :attr:`chain_module` (kept for MGR users)."""
-        return self._chain_module
-
     def extra_repr(self) -> str:
         pos = self.position if len(self.positions) == 1 else list(self.positions)
         return f"method={self.method!r}, chain={self.chain}, position={pos}, dim={self.dim}, at={self.location}"
