@@ -106,8 +106,8 @@ def test_imports_run_one_way_sees_an_upward_import(tmp_path):
     (pkg / "diagnostics" / "m.py").write_text("def f():\n    from ..callbacks.patcher import P\n"
                                               "from lightning_resctl import Callback\n")
     found = upward_imports(pkg, exports={"Callback": "callbacks"})
-    assert found == ["lightning_resctl.diagnostics.m (diagnostics) imports lightning_resctl.callbacks (callbacks) at m.py:2",
-                     "lightning_resctl.diagnostics.m (diagnostics) imports lightning_resctl.callbacks (callbacks) at m.py:3"]
+    said = "lightning_resctl.diagnostics.m (diagnostics) imports lightning_resctl.callbacks (callbacks) at m.py:"
+    assert found == [said + "2", said + "3"]
 
 
 def backend_names_in(folder: Path) -> list[str]:
