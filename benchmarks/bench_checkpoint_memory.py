@@ -1,6 +1,6 @@
 """Activation memory of patched models with and without activation checkpointing (issue 28).
 
-A 12-layer nanoGPT (``lightning_resctl.testing.models.NanoGPT``, C = 256, 4 heads, T = 256, batch 4, fp32,
+A 12-layer nanoGPT (``tests.support.models.NanoGPT``, C = 256, 4 heads, T = 256, batch 4, fp32,
 CPU) trains one step as plain / rescontroller / mgr n=4 / attnres-block; "ckpt" wraps each block in
 ``checkpoint_wrapper`` (non-reentrant ``torch.utils.checkpoint``) after the patch. Per row:
 
@@ -22,15 +22,19 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_resctl import patch_residuals
-from lightning_resctl.runtime.memory import saved_tensor_bytes
-from lightning_resctl.testing.models import NanoGPT
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: tests.support
+
+from lightning_resctl import patch_residuals  # noqa: E402
+from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
+from tests.support.models import NanoGPT  # noqa: E402
 
 METHODS = (("plain", None, {}), ("rescontroller", "rescontroller", {}),
            ("mgr n=4", "mgr", {"streams": 4, "backend": "torch-eager"}), ("attnres-block", "attnres-block", {}))

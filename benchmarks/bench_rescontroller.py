@@ -35,11 +35,13 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: tests.support
+
 from lightning_resctl.runtime.backends import cpu_compile_available
-from lightning_resctl.runtime.regions import wait_for_compiles
-from lightning_resctl.runtime.memory import saved_tensor_bytes
+from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
+from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
 from lightning_resctl.rules.rescontroller.ops import _ResControllerFunction
-from lightning_resctl.rules.rescontroller import rescontroller, rescontroller_reference
+from lightning_resctl.rules.rescontroller import rescontroller, rescontroller_reference  # noqa: E402,E501
 
 OPTS = (0.18, 1.08, 8.0, 8.0, 1e-12)
 
@@ -153,8 +155,8 @@ def bench_merge(device, rows_for, dtypes, widths, reps):
 # part 2: a 12-layer GPT, controller in every merge vs plain addition
 # ----------------------------------------------------------------------------------------------
 def _load_test_model():
-    """The benchmarks' nanoGPT and hand wiring (lightning_resctl.testing.models)."""
-    from lightning_resctl.testing.models import NanoGPT, wire_merges
+    """The benchmarks' nanoGPT and hand wiring (tests.support.models)."""
+    from tests.support.models import NanoGPT, wire_merges
 
     return NanoGPT, wire_merges
 

@@ -4,7 +4,7 @@
                                        [--threads N] [--out docs/results/bench_scaling_cpu]
     python benchmarks/bench_scaling.py --profile mgr-competitive [--depths 12 --widths 128]
 
-Each cell of the grid (layers x C of the nanoGPT of ``lightning_resctl/testing/models.py``; T=64, batch 8,
+Each cell of the grid (layers x C of the nanoGPT of ``lightning_resctl/compare/gpt.py``; T=64, batch 8,
 4 heads unless given) is measured in a fresh process, as ``bench_peers.py`` measures one size: one training step
 (forward, loss, backward, AdamW) of plain and of every registered rule installed with ``patch_residuals`` (its
 default options: n=4 streams for the multi-stream rules), interleaved, median wall clock over ``--reps``; saved
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lightning_resctl.rules import get_merge_rule, merge_rules  # noqa: E402
-from lightning_resctl.testing.models import NanoGPT, gpt_loss  # noqa: E402
+from tests.support.models import NanoGPT, gpt_loss  # noqa: E402
 from step_bench import build_rows, ratio, rule_installer, time_interleaved  # noqa: E402
 
 #: (rules, width or None for every width, step-time goal, saved-bytes goal or None) — issue 24's goals.
@@ -189,7 +189,7 @@ def plot(args, results: dict, path: str) -> None:
     import numpy as np
     from matplotlib import image
 
-    from lightning_resctl.plots import curves_figure, figure_to_array
+    from lightning_resctl.diagnostics.plots import curves_figure, figure_to_array
 
     rows = []
     for key, ylabel in (("median", "step time / plain"), ("saved", "saved bytes / plain")):

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_surgery.py [--reps 15] [--batch 8] [--models nanogpt,gpt2] [--threads 1] [--clock cpu]
 
-For each model (the nanoGPT-style GPT of lightning_resctl/testing/models.py: 12 layers, C=256, T=64; and HF GPT-2 with the same
+For each model (the nanoGPT-style GPT of lightning_resctl/compare/gpt.py: 12 layers, C=256, T=64; and HF GPT-2 with the same
 small config), four copies of the same initial weights are built: unpatched, and patched with ``add``,
 ``rescontroller`` and ``mgr`` (n=4). Their training steps (forward, loss, backward, AdamW step) are timed
 side by side in one process, interleaved (every repetition runs each variant once, in a rotating order), and
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
 from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
 from lightning_resctl.surgery import patch_residuals  # noqa: E402
-from lightning_resctl.testing.models import NanoGPT, add_step_arguments  # noqa: E402
+from tests.support.models import NanoGPT, add_step_arguments  # noqa: E402
 
 VARIANTS = ("unpatched", "add", "rescontroller", "mgr")
 GOALS = {"add": (1.02, None), "rescontroller": (1.10, 1.2), "mgr": (1.30, 1.3)}

@@ -6,7 +6,7 @@
     python benchmarks/coverage.py --library hf --only falcon,bloom,gpt2 --out -
     python benchmarks/coverage.py --library timm --limit 10 --timeout-per-model 60
 
-Each model is built small with random init (nothing downloaded; see lightning_resctl/surgery/coverage*.py) and
+Each model is built small with random init (nothing downloaded; see benchmarks/coverage_*.py) and
 checked: builds, patches, merge count against the structural expectation, "add" bitwise, unpatch bitwise, one
 training step of "rescontroller" and "mgr" with finite values. Prints the table and a one-line summary; writes
 the library's section of docs/coverage.md (the other sections are kept) and the summary at its top.
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from lightning_resctl.surgery.coverage import BACKEND, markdown_table, summary_line  # noqa: E402
+from benchmarks.coverage_hf import BACKEND, markdown_table, summary_line  # noqa: E402
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "coverage.md")
 ORDER = ("hf", "litgpt", "timm")
@@ -72,12 +72,12 @@ class HF(Library):
         return f"transformers {transformers.__version__}"
 
     def names(self):
-        from lightning_resctl.surgery.coverage import families
+        from benchmarks.coverage_hf import families
 
         return families()
 
     def run(self, name, what, timeout):
-        from lightning_resctl.surgery.coverage import run_family
+        from benchmarks.coverage_hf import run_family
 
         return run_family(name, what, timeout=timeout)
 
@@ -92,7 +92,7 @@ cannot be shrunk are skipped with the reason. The structural expectation is deri
 2 merges per layer (attention + MLP) for a model with a plain layer count; 2 per encoder layer + 3 per decoder
 layer (self-attention, cross-attention, MLP) for an encoder-decoder; 1 per layer for a parallel block (a config
 flag such as `use_parallel_residual`/`parallel_attn`, or an architecture known to add its two branches to the
-stream in one block: `PARALLEL_FAMILIES` in `lightning_resctl/surgery/coverage.py`) or a state-space mixer;
+stream in one block: `PARALLEL_FAMILIES` in `benchmarks/coverage_hf.py`) or a state-space mixer;
 2 per attention block of vision stages (plus one per residual group and one around the body for
 `RESIDUAL_GROUP_FAMILIES`); `?`: no plain layer count (convolutional stages, hybrids).
 """
@@ -107,12 +107,12 @@ class LitGPT(Library):
         return f"litgpt {version('litgpt')}"
 
     def names(self):
-        from lightning_resctl.surgery.coverage_litgpt import config_names
+        from benchmarks.coverage_litgpt import config_names
 
         return {n: None for n in config_names()}
 
     def run(self, name, what, timeout):
-        from lightning_resctl.surgery.coverage_litgpt import run_config
+        from benchmarks.coverage_litgpt import run_config
 
         return run_config(name, timeout=timeout)
 
@@ -132,29 +132,29 @@ class Timm(Library):
     default_timeout = 120.0
 
     def version(self):
-        from lightning_resctl.testing.timm_import import import_timm
+        from tests.support.timm_import import import_timm
 
         return f"timm {import_timm().__version__}"
 
     def names(self):
-        from lightning_resctl.surgery.coverage_timm import architectures
+        from benchmarks.coverage_timm import architectures
 
         return architectures()
 
     def run(self, name, what, timeout):
-        from lightning_resctl.surgery.coverage_timm import run_architecture
+        from benchmarks.coverage_timm import run_architecture
 
         return run_architecture(name, what, timeout=timeout)
 
     method = """\
 One model per timm architecture module (`timm.list_modules()`): the one with the fewest parameters among the
 module's models (counted on the meta device) — or, where every block of that one projects its shortcut, the
-smallest whose blocks include an identity residual (`MODELS` in `lightning_resctl/surgery/coverage_timm.py`) —
+smallest whose blocks include an identity residual (`MODELS` in `benchmarks/coverage_timm.py`) —
 built with `pretrained=False` (random init, nothing downloaded), with `depth=2` where the constructor takes it,
 and run on 2 random images of the smallest size it accepts among 32, 56, 64, 96, 112, 128 pixels (passed as
 `img_size` where the model takes it), else its default input size. timm is imported without torchvision through
-`lightning_resctl.testing.timm_import.import_timm` (README, "Set up and run"). The structural expectation is read from
-the model's blocks during one forward (`expected_merges` in `lightning_resctl/surgery/coverage_timm.py`): timm
+`tests.support.timm_import.import_timm` (README, "Set up and run"). The structural expectation is read from
+the model's blocks during one forward (`expected_merges` in `benchmarks/coverage_timm.py`): timm
 puts a stochastic-depth slot on each residual branch (`drop_path`, `drop_path1`, `attn_drop_path`...), so each
 call of a slot is one merge; a block whose shortcut is a projection (a `downsample`/`shortcut`/`skip` module
 that is not an identity) has one merge fewer per call, a block that adds no shortcut (`has_skip=False`,

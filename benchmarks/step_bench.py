@@ -23,15 +23,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from lightning_resctl.runtime.regions import wait_for_compiles
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: tests.support
 
-from lightning_resctl.runtime.memory import saved_tensor_bytes
-from lightning_resctl.testing.models import gpt_loss
+from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
+from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
+from tests.support.models import gpt_loss  # noqa: E402
 
 __all__ = ["rule_installer", "build_rows", "time_interleaved", "ratio", "first_line"]
 

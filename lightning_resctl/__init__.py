@@ -15,7 +15,7 @@ help my model?": a matched comparison of the methods on your LightningModule.
 """
 from __future__ import annotations
 
-from ._lazy import lazy_exports as _lazy_exports
+from .runtime.lazy import lazy_exports as _lazy_exports
 from .runtime.triton import triton_available
 # The functions, not the submodules of the same names (importing a submodule binds the package attribute to the
 # module; these imports rebind it). Submodules stay importable with `from lightning_resctl.compare import cli`.

@@ -1,4 +1,4 @@
-"""Per-depth metric math (lightning_resctl.diagnostics.metrics) and the plotting helpers (lightning_resctl.plots)."""
+"""Per-depth metric math (lightning_resctl.diagnostics.metrics) and the plotting helpers (lightning_resctl.diagnostics.plots)."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ import torch
 from lightning_resctl.rules.rescontroller.stats import ControllerStats
 from lightning_resctl.diagnostics.metrics import GradStats, StreamStats, histogram_median
 from lightning_resctl.rules.mgr.stats import MGRStats
-from lightning_resctl.plots import curves_figure, figure_to_array, heatmap_figure
+from lightning_resctl.diagnostics.plots import curves_figure, figure_to_array, heatmap_figure
 from lightning_resctl.rules.rescontroller import rescontroller_scales
 
 

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_resctl.callbacks import ResidualAblationCallback, ResidualControlCallback
-from lightning_resctl.callbacks.patcher import ResidualPatcher
+from lightning_resctl.surgery.patcher import ResidualPatcher
 from lightning_resctl.surgery import get_patch_report, merge_sites, patch_residuals
 
 from test_callbacks import LitGPT, _ObserverProbe, _acc, _loader, _scalars, _trainer

@@ -102,8 +102,6 @@ def test_resume_and_load_with_another_backend(trained, tmp_path):
 def test_a_recorded_triton_backend_that_cannot_run_here_loads_with_auto(trained, monkeypatch):
     """A checkpoint trained with backend="triton" on a GPU, loaded where Triton cannot run: the patch is
     re-applied with backend="auto" (with a warning naming both), not refused."""
-    import lightning_resctl.surgery.checkpoint as ckpt_mod
-
     monkeypatch.setenv("LIGHTNING_RESCTL_COMPILE", "0")  # "auto" runs the eager torch path (no compile time)
     method, path, module = trained
     state = torch.load(path, weights_only=True)["state_dict"]
@@ -111,7 +109,7 @@ def test_a_recorded_triton_backend_that_cannot_run_here_loads_with_auto(trained,
     patch_residuals(twin, method=method, **{**OPTIONS[method], "backend": "triton"})
     twin.load_state_dict(state)
     triton_state = twin.state_dict()  # records say backend="triton"
-    monkeypatch.setattr(ckpt_mod, "triton_available", lambda: False)
+    monkeypatch.setattr("lightning_resctl.runtime.triton.triton_available", lambda: False)  # the rule asks it
     fresh = LitGPT()
     with pytest.warns(UserWarning, match="backend='triton'.*backend='auto'"):
         patch_from_state_dict(fresh, triton_state)

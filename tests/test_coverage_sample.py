@@ -1,5 +1,5 @@
-"""A fixed small sample of the coverage sweeps (benchmarks/coverage.py), through the importable
-``lightning_resctl.surgery.coverage*`` modules: each model builds small (random init, nothing downloaded) and is
+"""A fixed small sample of the coverage sweeps (benchmarks/coverage.py), through their modules
+``benchmarks/coverage_{hf,litgpt,timm}.py``: each model builds small (random init, nothing downloaded) and is
 patched with the structurally expected merge count, bitwise ``add`` and unpatch, and trains a step under both
 rules. Hugging Face families, LitGPT configs and timm architectures."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lightning_resctl.surgery import coverage, coverage_litgpt, coverage_timm  # noqa: E402
-from lightning_resctl.testing.timm_import import import_timm  # noqa: E402
+from benchmarks import coverage_hf, coverage_litgpt, coverage_timm  # noqa: E402
+from tests.support.timm_import import import_timm  # noqa: E402
 from surgery_checks import one_thread  # noqa: E402,F401 (module fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +37,7 @@ def _exact(r, merges: int) -> None:
 
 @pytest.mark.parametrize("family", list(SAMPLE))
 def test_sample_family_is_patched_exactly(family):
-    r = coverage.run_family(family, timeout=120)
+    r = coverage_hf.run_family(family, timeout=120)
     _exact(r, SAMPLE[family])
     if family in ("falcon", "bloom"):
         assert r.functions == ["dropout_add"]
@@ -46,29 +46,29 @@ def test_sample_family_is_patched_exactly(family):
 def test_expectation_is_derived_from_the_config():
     import transformers as T
 
-    assert coverage.expected_merges(T.LlamaConfig(num_hidden_layers=3))[0] == 6
-    assert coverage.expected_merges(T.GPTNeoXConfig(num_hidden_layers=3, use_parallel_residual=True))[0] == 3
-    assert coverage.expected_merges(T.GPTNeoXConfig(num_hidden_layers=3, use_parallel_residual=False))[0] == 6
-    assert coverage.expected_merges(T.BartConfig(encoder_layers=1, decoder_layers=2))[0] == 2 + 6
-    assert coverage.expected_merges(T.BartConfig(encoder_layers=1, decoder_layers=2), "BartForCausalLM")[0] == 4
-    assert coverage.expected_merges(T.SwinConfig(depths=[1, 2], num_heads=[1, 2]))[0] == 6
-    assert coverage.expected_merges(T.ConvNextConfig())[0] is None      # conv stages: no structural count
-    assert coverage.expected_merges(T.GPTJConfig(n_layer=3))[0] == 3     # parallel block without a flag
-    assert coverage.expected_merges(T.CohereConfig(num_hidden_layers=3))[0] == 3   # x + attn + mlp: one merge
+    assert coverage_hf.expected_merges(T.LlamaConfig(num_hidden_layers=3))[0] == 6
+    assert coverage_hf.expected_merges(T.GPTNeoXConfig(num_hidden_layers=3, use_parallel_residual=True))[0] == 3
+    assert coverage_hf.expected_merges(T.GPTNeoXConfig(num_hidden_layers=3, use_parallel_residual=False))[0] == 6
+    assert coverage_hf.expected_merges(T.BartConfig(encoder_layers=1, decoder_layers=2))[0] == 2 + 6
+    assert coverage_hf.expected_merges(T.BartConfig(encoder_layers=1, decoder_layers=2), "BartForCausalLM")[0] == 4
+    assert coverage_hf.expected_merges(T.SwinConfig(depths=[1, 2], num_heads=[1, 2]))[0] == 6
+    assert coverage_hf.expected_merges(T.ConvNextConfig())[0] is None      # conv stages: no structural count
+    assert coverage_hf.expected_merges(T.GPTJConfig(n_layer=3))[0] == 3     # parallel block without a flag
+    assert coverage_hf.expected_merges(T.CohereConfig(num_hidden_layers=3))[0] == 3   # x + attn + mlp: one merge
     # residual groups around the attention blocks, one residual around the body
-    assert coverage.expected_merges(T.Swin2SRConfig(depths=[1, 2], num_heads=[1, 1]))[0] == 6 + 2 + 1
+    assert coverage_hf.expected_merges(T.Swin2SRConfig(depths=[1, 2], num_heads=[1, 1]))[0] == 6 + 2 + 1
 
 
 def test_shrunken_config_is_small():
-    cfg = coverage.shrink_config("llama")
+    cfg = coverage_hf.shrink_config("llama")
     assert cfg.num_hidden_layers == 2 and cfg.hidden_size == 32 and cfg.vocab_size == 128
     assert cfg.intermediate_size == 64 and cfg.num_attention_heads == 2
 
 
 def test_failures_are_recorded_not_raised():
-    r = coverage.run_family("llama", "NoSuchModelClass")
+    r = coverage_hf.run_family("llama", "NoSuchModelClass")
     assert r.builds is False and "cannot build" in r.reason and r.status == "skipped"
-    line = coverage.summary_line([r, coverage.run_family("gpt2")])
+    line = coverage_hf.summary_line([r, coverage_hf.run_family("gpt2")])
     assert line.startswith("2 families tried, 1 patched exactly, 1 skipped with reason")
 
 
@@ -155,7 +155,7 @@ def test_timm_imports_without_torchvision_and_leaves_none_behind():
 
 
 def test_frozen_batchnorm_stand_in_is_batchnorm_in_eval():
-    from lightning_resctl.testing.timm_import import FrozenBatchNorm2d
+    from tests.support.timm_import import FrozenBatchNorm2d
 
     bn = torch.nn.BatchNorm2d(3).eval()
     with torch.no_grad():

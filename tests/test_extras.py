@@ -78,7 +78,7 @@ def _installed_closure(roots: list[Requirement]) -> set[str]:
 def _imported_top_level_modules() -> dict[str, set[str]]:
     """Top-level module -> test files importing it (``import``, ``from ... import``, ``importorskip``)."""
     found: dict[str, set[str]] = {}
-    for path in sorted(TESTS.glob("*.py")):
+    for path in sorted(TESTS.rglob("*.py")):  # tests/support/ too
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = []
             if isinstance(node, ast.Import):
@@ -104,7 +104,9 @@ def test_every_imported_package_is_installed_by_the_test_command():
     assert "test" in extras, "the README's test command installs the project without its test extra"
     provided = _installed_closure([*requirements, Requirement(f"{PROJECT}[{','.join(sorted(extras))}]")]) | alone
     module_to_dists = metadata.packages_distributions()
-    local = {p.stem for p in TESTS.glob("*.py")} | {"lightning_resctl", "__future__"} | _written_by_the_tests()
+    # the repository's own: the package, the test modules, tests.support (test helpers) and benchmarks (the sweeps)
+    local = ({p.stem for p in TESTS.glob("*.py")} | {"lightning_resctl", "tests", "benchmarks", "__future__"}
+             | _written_by_the_tests())
 
     missing = {}
     for module, files in sorted(_imported_top_level_modules().items()):
@@ -121,7 +123,7 @@ def test_every_imported_package_is_installed_by_the_test_command():
 # Requirements of a ``--no-deps`` package that the suite deliberately goes without, with the reason.
 NOT_INSTALLED_ON_PURPOSE = {
     "torchvision": "timm requires it; its PyPI build is a CUDA build that does not load beside the CPU torch pin "
-                   "(the suite imports timm through lightning_resctl.testing.timm_import.import_timm)",
+                   "(the suite imports timm through tests.support.timm_import.import_timm)",
 }
 
 

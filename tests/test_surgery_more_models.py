@@ -478,7 +478,7 @@ def test_weight_tied_block_applied_three_times():
     model = _SharedTwice()
     patch_residuals(model, method="mgr", example_input=SEQ)
     (site,) = merge_sites(model)
-    assert site.positions == (0, 1, 2) and len(site.mgr_chain.merges) == 3
+    assert site.positions == (0, 1, 2) and len(site.chain_module.merges) == 3
 
 
 def test_one_block_in_two_chains():

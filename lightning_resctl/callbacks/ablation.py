@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ..diagnostics.ablation import ablate
-from .patcher import ResidualPatcher, merge_options
+from ..surgery.patcher import ResidualPatcher, merge_options
 
 __all__ = ["ResidualAblationCallback"]
 
@@ -47,7 +47,7 @@ class ResidualAblationCallback(Callback):
         method, options: patch the model with this merge rule if no other callback does (``None``: observe: a
             patch by another callback or by hand is used as is; an unpatched model gets an ``"add"`` patch,
             removed at teardown). Usually left ``None`` next to :class:`ResidualControlCallback`; the patch is
-            owned by :attr:`patcher` (:class:`~lightning_resctl.callbacks.patcher.ResidualPatcher`).
+            owned by :attr:`patcher` (:class:`~lightning_resctl.surgery.patcher.ResidualPatcher`).
         depth_images: write the increase-vs-depth figure.
         dirpath: write the figure as PNG files here (default ``<trainer.log_dir>/resctl_figures`` when no logger
             takes images).

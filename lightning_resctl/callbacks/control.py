@@ -8,8 +8,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from ..diagnostics.monitor import ResidualMonitor
-from . import _common as C
-from .patcher import ResidualPatcher, merge_options
+from ..surgery import adapt_optimizer_state
+from ..surgery.patcher import ResidualPatcher, merge_options
 
 __all__ = ["ResidualControlCallback"]
 
@@ -23,7 +23,7 @@ class ResidualControlCallback(Callback):
             unpatched model is patched with ``"add"`` — plain additions, outputs bitwise unchanged — to find its
             merges, and unpatched again at teardown); a registered merge rule (``lightning_resctl.merge_rules()``)
             patches in ``setup`` (after ``configure_model`` when the module overrides it), before optimizers and
-            wrapping. The patch is owned by a :class:`~lightning_resctl.callbacks.patcher.ResidualPatcher`
+            wrapping. The patch is owned by a :class:`~lightning_resctl.surgery.patcher.ResidualPatcher`
             (:attr:`patcher`); when it patches, one line is logged on rank zero (merges, rule, added parameters;
             the full report is ``lightning_resctl.get_patch_report(model)``).
         log_every_n_steps: log every N optimizer steps (default: the Trainer's ``log_every_n_steps``);
@@ -41,7 +41,7 @@ class ResidualControlCallback(Callback):
             multiple of the chain start (``None``: never).
         alert_max_over_median: warn once per run when max|x| / median|x| of a stream exceeds this (``None``: never).
         heatmap_ranges: fixed colour range per heat-map family (log scale), overriding
-            :data:`lightning_resctl.plots.HEATMAP_RANGES`, so heat maps of different runs compare by colour.
+            :data:`lightning_resctl.diagnostics.plots.HEATMAP_RANGES`, so heat maps of different runs compare by colour.
         dirpath: write figures as PNG files here (default: ``<trainer.log_dir>/resctl_figures`` when no logger
             takes images, said once in the log). With no logger and no ``dirpath`` there is nowhere to write: the
             callback warns, still patches (``method``), and runs no probe.
@@ -165,7 +165,7 @@ class ResidualControlCallback(Callback):
 
     # ------------------------------------------------------------------ steps
     def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
-        C._surgery().adapt_optimizer_state(pl_module, trainer.optimizers)  # before a resume restores them
+        adapt_optimizer_state(pl_module, trainer.optimizers)  # before a resume restores them
         self.monitor.new_run()
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if not self._enabled or not every:

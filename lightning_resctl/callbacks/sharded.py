@@ -20,7 +20,8 @@ from typing import Any
 
 from torch import nn
 
-from . import _common as C
+from ..surgery import get_patch_report, merge_sites
+from ..surgery.patcher import check_method, ensure_patched
 
 __all__ = ["patch_in_configure_model"]
 
@@ -41,17 +42,15 @@ def patch_in_configure_model(pl_module: nn.Module, model: nn.Module | None = Non
     The rules' parameters are the same as :func:`patch_residuals` makes (none is 0-d, which FSDP2 refuses), so
     state dicts of both ways load into each other.
     """
-    from lightning_resctl.surgery import get_patch_report
-
     from .control import ResidualControlCallback
 
     target = pl_module if model is None else model
-    if C._surgery().merge_sites(pl_module):
+    if merge_sites(pl_module):
         return None
     if method is not None:
-        C.check_method(method, {k: v for k, v in options.items() if k != "example_input"})
+        check_method(method, {k: v for k, v in options.items() if k != "example_input"})
         example_input = options.pop("example_input", None)
-        C.ensure_patched(target, method, example_input=example_input, method_options=options, example_from=pl_module)
+        ensure_patched(target, method, example_input=example_input, method_options=options, example_from=pl_module)
         return get_patch_report(target)
     trainer = getattr(pl_module, "_trainer", None)
     callbacks = [cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, ResidualControlCallback)]

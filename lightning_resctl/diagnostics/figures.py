@@ -18,7 +18,7 @@ def depth_profile_figures(profile: Mapping[str, Sequence[float]], history: Seque
                           heatmap_ranges: Mapping[str, tuple[float, float]]) -> Iterator[tuple[str, Any]]:
     """``("depth_profile/rms" | "depth_profile/ratio" | "depth_heatmap/<family>", figure)`` for the values of
     ``profile`` (``{family: [value per depth]}``) and ``history`` (``[(step, {family: [value per depth]})]``)."""
-    from ..plots import curves_figure, heatmap_figure
+    from .plots import curves_figure, heatmap_figure
 
     D = len(labels) if labels else len(profile.get("stream_rms", []))
     depths = list(range(D))
@@ -46,7 +46,7 @@ def gate_figures(hists: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> Ite
     """``("depth_histogram/<family>", figure)`` per histogram family ``(family, counts (D, n, bins), edges)``:
     one depth x value heat map (summed over streams), readable without a histogram tab and the only form
     loggers without histograms get. The title says where values start."""
-    from ..plots import heatmap_figure
+    from .plots import heatmap_figure
 
     for fam, hist, edges in hists:
         counts = hist.detach().double().cpu().sum(1)  # (D, bins)
@@ -65,7 +65,7 @@ def gate_figures(hists: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> Ite
 
 def ablation_figure(loss_increase: Sequence[float]) -> Any:
     """The loss increase when merge d's update is skipped, vs depth d."""
-    from ..plots import curves_figure
+    from .plots import curves_figure
 
     return curves_figure({"loss increase": (list(range(len(loss_increase))), list(loss_increase))},
                          "depth (merge index)", "loss increase", "ablation: skip one merge's update")

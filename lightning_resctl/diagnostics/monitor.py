@@ -104,7 +104,7 @@ class ResidualMonitor:
             the chain start (``None``: never).
         alert_max_over_median: warn once when max|x| / median|x| of a stream exceeds this (``None``: never).
         heatmap_ranges: fixed colour range per heat-map family (log scale), overriding
-            :data:`lightning_resctl.plots.HEATMAP_RANGES`, so heat maps of different runs compare by colour.
+            :data:`lightning_resctl.diagnostics.plots.HEATMAP_RANGES`, so heat maps of different runs compare by colour.
         dirpath: also write figures as PNG files here (without it, PNG files go to
             ``<log dir>/resctl_figures`` only when no destination takes images).
         grad_stats: record the gradient RMS of the stream at each merge (tensor hook) and of the branch's
@@ -149,7 +149,7 @@ class ResidualMonitor:
         exclude: Any = None,
         **method_options: Any,
     ) -> None:
-        from ..callbacks.patcher import ResidualPatcher, merge_options
+        from ..surgery.patcher import ResidualPatcher, merge_options
 
         self.log_every_n_steps = _positive_int("log_every_n_steps", log_every_n_steps)
         if not isinstance(prefix, str) or not prefix or "/" in prefix:
@@ -158,7 +158,7 @@ class ResidualMonitor:
         for name, value in (("alert_growth", alert_growth), ("alert_max_over_median", alert_max_over_median)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
                 raise ValueError(f"{name} must be a positive number or None, got {value!r}")
-        from ..plots import HEATMAP_RANGES
+        from .plots import HEATMAP_RANGES
 
         self.heatmap_ranges = {**HEATMAP_RANGES, **{k: tuple(v) for k, v in (heatmap_ranges or {}).items()}}
         for fam, rng in self.heatmap_ranges.items():

@@ -59,7 +59,7 @@ class Sink:
 
 
 def _hwc(fig: Any) -> np.ndarray:
-    from ..plots import figure_to_array
+    from .plots import figure_to_array
 
     return figure_to_array(fig, close=False).transpose(1, 2, 0)
 
@@ -84,7 +84,7 @@ class TensorBoardSink(Sink):
                 writer.add_scalar(k, float(v), step)
 
     def image(self, prefix: str, name: str, fig: Any, step: int) -> None:
-        from ..plots import figure_to_array
+        from .plots import figure_to_array
 
         self.target.add_image(f"{prefix}/{name}", figure_to_array(fig, close=False), global_step=step,
                               dataformats="CHW")
@@ -252,7 +252,7 @@ def sinks_for(destinations: Sequence[Any], dirpath: str | os.PathLike | None = N
         sinks.append(png)
         if png.key not in _ANNOUNCED:
             _ANNOUNCED.add(png.key)
-            from ..callbacks._common import rank_zero_line
+            from ..runtime.log import rank_zero_line
 
             rank_zero_line(f"{what.split('.')[0]}: {', '.join(sorted(set(png.fallback_for)))} cannot show images; "
                            f"the figures are written as PNG files to {png.target}")

@@ -175,6 +175,21 @@ class MergeRule:
                 state: Any) -> None:
         """Update ``stats`` with merge ``position`` of ``site`` (detached tensors, no grad)."""
 
+    def runnable_options(self, options: dict) -> dict:
+        """A checkpoint's recorded ``options`` of this rule, made runnable on this machine: only
+        :attr:`execution_options` may change (the math stays the one recorded); re-applying a recorded patch
+        (:func:`~lightning_resctl.surgery.patch_from_state_dict`) uses the result and warns about each change.
+        The default: a ``backend`` that needs Triton (``"triton"``, ``"native"``) where Triton cannot run becomes
+        ``"auto"``; a rule whose execution options need other checks overrides this."""
+        from ..runtime.triton import triton_available
+        from ..runtime.backends import ALIASES
+
+        backend = options.get("backend")
+        if ("backend" in self.execution_options and isinstance(backend, str)
+                and ALIASES.get(backend, backend) == "triton" and not triton_available()):
+            return {**options, "backend": "auto"}
+        return options
+
 
 class ChainRule(MergeRule):
     """A stream-carrying chain rule (see the module docstring for the runtime contract)."""

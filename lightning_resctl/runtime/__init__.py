@@ -14,7 +14,7 @@ imports no other).
 """
 from __future__ import annotations
 
-from .._lazy import lazy_exports as _lazy_exports
+from .lazy import lazy_exports as _lazy_exports
 
 # public name -> submodule that defines it (imported on first use)
 _EXPORTS = {

@@ -11,6 +11,12 @@ the stream through a learned branch); Python 3.11's ``co_positions`` maps each o
 expression, which is rewritten into ``self.<site>(stream, update)`` in a per-instance subclass of the
 block's class. Parameter names and ``isinstance`` are kept; sites are :class:`MergeSite` submodules.
 
+Modules, in the order a patch runs (:mod:`.api` holds the public functions): :mod:`.observe` (the forwards that
+record every addition), :mod:`.plan` (which additions are merges, one site per expression, the chains, the rewrites),
+:mod:`.bind` (the sites and chain modules built complete and put into the model; :mod:`.sites` is what runs them,
+:mod:`.rewrite` the source rewriting), :mod:`.report` (describe). Around it: :mod:`.checkpoint`, :mod:`.pretrained`
+and :mod:`.patcher` (a Trainer stage's patch, for the callbacks).
+
 Where to patch in Lightning: before ``configure_optimizers``, DDP/FSDP wrapping and ``torch.compile`` —
 ``Callback.setup`` is that point::
 
@@ -32,8 +38,8 @@ patch before wrapping (DDP/FSDP/``torch.compile``) and unpatch before ``fully_sh
 """
 from .checkpoint import (PatchOnLoadMixin, adapt_optimizer_state, load_unpatched_state_dict, patch_from_checkpoint,
                          patch_from_state_dict)
+from .api import get_patch_report, merge_sites, patch_residuals, unpatch_residuals
 from .pretrained import from_pretrained
-from .patch import get_patch_report, merge_sites, patch_residuals, unpatch_residuals
 from .report import ChainInfo, PatchReport, SiteInfo, SkippedInfo
 from .sites import MergeSite
 

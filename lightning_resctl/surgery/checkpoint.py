@@ -22,8 +22,9 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from ..runtime.triton import triton_available
-from .patch import _SITE_PREFIX, get_patch_report, merge_sites, patch_residuals
+from ..rules import make_rule
+from .api import get_patch_report, merge_sites, patch_residuals
+from .plan import SITE_PREFIX
 from .report import PatchReport
 
 __all__ = ["load_unpatched_state_dict", "patch_from_state_dict", "patch_from_checkpoint", "PatchOnLoadMixin",
@@ -83,7 +84,7 @@ def _records(state_dict: dict) -> list:
         if not key.endswith(_SUFFIX):
             continue
         owner, _, attr = key[:-len(_SUFFIX)].rpartition(".")
-        if attr.startswith(_SITE_PREFIX):
+        if attr.startswith(SITE_PREFIX):
             record = decode_record(value)
             if isinstance(record, dict) and "method" in record:
                 out.append((owner, record))
@@ -109,21 +110,23 @@ def _patched_root(records: list) -> str:
     return roots.pop()
 
 
-def _runnable_options(method: str, options: dict) -> dict:
-    """The recorded options, with a recorded ``backend="triton"`` that cannot run here replaced by ``"auto"``."""
-    backend = options.get("backend")
-    if backend in ("triton", "native") and not triton_available():
-        warnings.warn(f"the checkpoint's {method!r} merges ran with backend={backend!r}, which cannot run here "
-                      "(no CUDA device / Triton): re-applying the patch with backend='auto' (the backend changes how "
-                      "the math runs, not what it computes)", UserWarning, stacklevel=4)
-        options = {**options, "backend": "auto"}
-    return options
+def _runnable_options(method: str, options: dict, overrides: dict) -> dict:
+    """The recorded options as the rule can run them here (:meth:`MergeRule.runnable_options`), with a warning
+    naming each option it changed; an option the caller overrides is left to the override."""
+    runnable = make_rule(method, options).runnable_options(options)
+    changed = [k for k in runnable if k not in overrides and (k not in options or runnable[k] != options[k])]
+    if changed:
+        def said(opts: dict) -> str:
+            return ", ".join(f"{k}={opts.get(k)!r}" for k in changed)
+
+        warnings.warn(f"the checkpoint's {method!r} merges ran with {said(options)}, which cannot run here: "
+                      f"re-applying the patch with {said(runnable)} (it changes how the math runs, not what it "
+                      "computes)", UserWarning, stacklevel=4)
+    return {**options, **{k: runnable[k] for k in changed}}
 
 
 def _reapply(model: nn.Module, records: list, example_input: Any, **kwargs) -> PatchReport:
     """Patch ``model`` (or its submodule that was patched) as the records say."""
-    from ..rules import make_rule
-
     rules = {(r["method"], repr(sorted(make_rule(r["method"], r["options"]).math_options().items())))
              for _, r in records}
     if len(rules) > 1:
@@ -140,8 +143,7 @@ def _reapply(model: nn.Module, records: list, example_input: Any, **kwargs) -> P
     if "include" not in kwargs and "exclude" not in kwargs:  # exactly the modules the records name
         kwargs["include"] = sorted({r.get("path") or "" for _, r in records})
     overrides = {k: kwargs.pop(k) for k in list(kwargs) if k not in _PATCH_ARGS}
-    if "backend" not in overrides:
-        options = _runnable_options(method, options)
+    options = _runnable_options(method, options, overrides)
     return patch_residuals(target, method=method, example_input=example_input, **kwargs, **{**options, **overrides})
 
 

@@ -24,6 +24,7 @@ so does every other tensor seen on the same storage (a view written through, the
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Node", "AddEvent", "Observation", "observe", "run_example"]
+__all__ = ["Node", "AddEvent", "Observation", "observe", "observe_modes", "run_example", "preserved"]
 
 _ADD_FUNCS = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
 _IADD_FUNCS = {torch.Tensor.add_, torch.Tensor.__iadd__}
@@ -436,6 +437,79 @@ def observe(model: nn.Module, example_input: Any) -> Observation:
     obs = Observation(rec.nodes, rec.events, module_paths, len(module_paths), len(rec.nodes), calls)
     rec.keep.clear()
     return obs
+
+
+def observe_modes(model: nn.Module, example_input: Any) -> tuple:
+    """The observations of one training-mode and one eval-mode forward of ``model`` on ``example_input``
+    (:func:`observe`); whatever the forwards do to the model is undone (:class:`preserved`)."""
+    with preserved(model):
+        model.train()
+        train = observe(model, example_input)
+        model.eval()
+        evaluation = observe(model, example_input)
+    return train, evaluation
+
+
+class preserved:
+    """Context manager: whatever a forward run inside does to ``model`` — buffers (BatchNorm running stats,
+    ``num_batches_tracked``), plain Python attributes of its modules (counters, caches), the training flags
+    and the global RNG state — is undone on exit."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self):
+        self.training = [(m, m.training) for m in self.model.modules()]
+        self.buffers = [(m, name, b, b.detach().clone()) for m in self.model.modules()
+                        for name, b in m._buffers.items() if b is not None]
+        self.buffer_names = [(m, set(m._buffers)) for m in self.model.modules()]
+        self.attrs = []
+        for m in self.model.modules():
+            plain = {}
+            for k, v in vars(m).items():
+                if k.startswith("_") and k in _MODULE_INTERNALS:
+                    continue
+                plain[k] = (v, copy.copy(v) if isinstance(v, (list, dict, set)) else None)
+            self.attrs.append((m, plain))
+        self.rng = torch.random.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return self
+
+    def __exit__(self, *exc):
+        for m, names in self.buffer_names:
+            for name in list(m._buffers):
+                if name not in names:
+                    del m._buffers[name]
+        with torch.no_grad():
+            for m, name, b, saved in self.buffers:
+                if m._buffers.get(name) is not b:
+                    m._buffers[name] = b
+                if b.shape == saved.shape:
+                    b.copy_(saved)
+                else:
+                    m._buffers[name] = saved
+        for m, plain in self.attrs:
+            d = vars(m)
+            for k in [k for k in d if k not in plain and not (k.startswith("_") and k in _MODULE_INTERNALS)]:
+                del d[k]
+            for k, (v, shallow) in plain.items():
+                d[k] = v
+                if shallow is not None:
+                    v.clear()
+                    v.update(shallow) if not isinstance(v, list) else v.extend(shallow)
+        for m, flag in self.training:
+            m.training = flag
+        torch.random.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        return False
+
+
+_MODULE_INTERNALS = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks",
+                     "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
+                     "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+                     "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                     "_load_state_dict_post_hooks"}
 
 
 # ---------------------------------------------------------------------------------------------- classify

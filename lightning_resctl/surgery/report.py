@@ -1,4 +1,5 @@
-"""PatchReport: what :func:`patch_residuals` patched, what it skipped and why."""
+"""PatchReport: what :func:`patch_residuals` patched, what it skipped and why (the last step of the patch:
+observe -> plan -> bind -> **describe**)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["SiteInfo", "SkippedInfo", "ChainInfo", "PatchReport"]
+__all__ = ["SiteInfo", "SkippedInfo", "ChainInfo", "PatchReport", "describe"]
 
 
 @dataclass
@@ -163,6 +164,20 @@ class PatchReport:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def describe(report: PatchReport, binding: Any) -> PatchReport:
+    """Fill ``report`` with what :func:`~lightning_resctl.surgery.bind.bind` put into the model: its chains, and
+    one :class:`SiteInfo` per merge execution (``binding.merges``, by chain then position). Returns ``report``."""
+    report.chains.extend(binding.chains)
+    for m in binding.merges:
+        site = m.site
+        report.sites.append(SiteInfo(
+            path=site.path, location=site.location, source_line=site.source_line, stream_shape=site.stream_shape,
+            chain=m.chain, position=m.position, method=site.method, dim=site.dim,
+            stream_operand="left" if m.stream_first else "right", site=site, branch=site.branch,
+            function=site.function, called_at=site.called_at, parallel_parts=m.parallel_parts))
+    return report
 
 
 def _clip(text: str, width: int) -> str:

@@ -314,13 +314,21 @@ class MergeSite(nn.Module):
     value, as in the original model (rules with ``merges_in_place``, e.g. ``add``, do it themselves).
     """
 
-    #: the model writes ``stream + update`` (False: ``update + stream``; set by the patch)
-    stream_first = True
-
     def __init__(self, rule: Any, *, path: str = "", location: str = "", source_line: str = "",
                  stream_shape: tuple = (), chain: int = 0, positions: tuple = (0,), dim: int = -1,
                  inplace: Optional[str] = None, merge: Optional[nn.Module] = None,
-                 chain_module: Optional[nn.Module] = None, run: Optional[ChainRun] = None):
+                 chain_module: Optional[nn.Module] = None, run: Optional[ChainRun] = None,
+                 mode_positions: Optional[dict] = None, parallel: Optional[ParallelRun] = None,
+                 stream_first: bool = True, branch: str = "", function: str = "", called_at: str = ""):
+        """``rule`` the configured merge rule; ``path``, ``location``, ``source_line`` where the addition is;
+        ``stream_shape``, ``chain``, ``positions`` (one per run of the expression in a forward), ``dim``, ``inplace``
+        (the operand an in-place addition writes), ``stream_first`` (the model writes ``stream + update``; False:
+        ``update + stream``) as in the class docstring. ``merge``: the per-merge rule's module; ``chain_module`` and
+        ``run`` (required by chain rules): the chain's module and :class:`ChainRun`; ``mode_positions``: chain rules,
+        ``{"train": positions, "eval": the positions that run in eval}``; ``parallel``: the :class:`ParallelRun`
+        when the site is the last addition of a parallel block. ``branch`` (e.g. "attn", "mlp"), ``function`` (the
+        free function holding the addition, "" in the module's own method) and ``called_at`` (the call in the
+        method reaching it) describe the site."""
         super().__init__()
         if inplace not in (None, "stream", "update"):
             raise ValueError(f"inplace must be None, 'stream' or 'update', got {inplace!r}")
@@ -333,11 +341,14 @@ class MergeSite(nn.Module):
         self.chain = chain
         self.positions = tuple(positions)
         self.position = self.positions[0]
-        self.mode_positions: dict = {}  # chain rules: {"train": positions, "eval": the positions run in eval}
+        self.mode_positions: dict = dict(mode_positions or {})
         self.current_position = self.position
         self.dim = dim
         self.inplace = inplace
-        self.branch = ""
+        self.stream_first = bool(stream_first)
+        self.branch = branch
+        self.function = function
+        self.called_at = called_at
         self.observer: Optional[Callable] = None
         self.skip_update = False
         self.merge = merge
@@ -345,7 +356,7 @@ class MergeSite(nn.Module):
         # children so its parameters have a single name.
         self.__dict__["_chain_module"] = chain_module
         self.__dict__["_run"] = run
-        self.__dict__["_parallel"] = None   # a ParallelRun when this is the last addition of a parallel block
+        self.__dict__["_parallel"] = parallel   # a ParallelRun when this is the last addition of a parallel block
         if rule.kind == "chain" and (chain_module is None or run is None):
             raise ValueError(f"method={rule.name!r} is a chain rule: the site needs chain_module and run")
 
@@ -368,11 +379,6 @@ class MergeSite(nn.Module):
         """Chain rules: the chain's state entering the merge that runs now (for observers), else None."""
         run = self._run
         return None if run is None else run.state
-
-    @property
-    def mgr_chain(self) -> Optional[nn.Module]:
-        """Alias of :attr:`chain_module` (kept for MGR users)."""
-        return self._chain_module
 
     def extra_repr(self) -> str:
         pos = self.position if len(self.positions) == 1 else list(self.positions)

@@ -2,7 +2,7 @@
 
 Every entry is built as ``litgpt.model.GPT`` from its config shrunk (:func:`shrink_config`: 2 layers, width 32,
 2 heads of 16, feed-forward 64, 4 experts, vocabulary 128; random init, nothing downloaded) and run through
-the checks of :func:`lightning_resctl.surgery.coverage.run_checks` on random token ids (2 x 8).
+the checks of :func:`benchmarks.coverage_hf.run_checks` on random token ids (2 x 8).
 
 The structural expectation (:func:`expected_merges`) is read from LitGPT's ``Block``: ``x = attention_output +
 x`` then ``return mlp(x_normed) + x`` — 2 merges per layer; with ``parallel_residual=True`` both branches read
@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .coverage import FamilyResult, run_checks
+from benchmarks.coverage_hf import FamilyResult, run_checks
 
 __all__ = ["config_names", "shrink_config", "expected_merges", "run_config", "NOTES"]
 
@@ -95,7 +95,7 @@ def _call(model, x):
 
 
 def run_config(name: str, timeout: Optional[float] = 30.0) -> FamilyResult:
-    """Build and check one LitGPT config (:func:`~lightning_resctl.surgery.coverage.run_checks`); never raises."""
+    """Build and check one LitGPT config (:func:`~benchmarks.coverage_hf.run_checks`); never raises."""
 
     def build(res):
         from litgpt.model import GPT

@@ -4,8 +4,8 @@ Each module's model with the fewest parameters (:data:`MODELS`, counted on the m
 :func:`smallest_models` recounts for another version) is built with ``pretrained=False`` (random init, nothing
 downloaded) — with ``depth=2`` where its constructor takes a ``depth`` — and run on 2 random images of the
 smallest size it accepts among :data:`SIZES` (passed as ``img_size`` where the model takes it), else its
-default input size, through the checks of :func:`lightning_resctl.surgery.coverage.run_checks`. timm is
-imported with :func:`lightning_resctl.testing.timm_import.import_timm` (no torchvision needed).
+default input size, through the checks of :func:`benchmarks.coverage_hf.run_checks`. timm is
+imported with :func:`tests.support.timm_import.import_timm` (no torchvision needed).
 
 The structural expectation (:func:`expected_merges`) is read from the model's modules: see its docstring.
 
@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .coverage import FamilyResult, run_checks
+from benchmarks.coverage_hf import FamilyResult, run_checks
 
 __all__ = ["MODELS", "SIZES", "BLOCKS", "NO_RESIDUAL", "architectures", "smallest_models", "build", "expected_merges",
            "run_architecture", "NOTES"]
@@ -136,7 +136,7 @@ NOTES: dict = {}
 
 
 def _timm():
-    from ..testing.timm_import import import_timm
+    from tests.support.timm_import import import_timm
 
     return import_timm()
 
@@ -369,7 +369,7 @@ def _call(model, x):
 
 def run_architecture(module: str, name: Optional[str] = None, timeout: Optional[float] = 120.0) -> FamilyResult:
     """Build and check the model ``name`` (default: :func:`architectures`' choice) of timm's architecture
-    ``module`` (:func:`~lightning_resctl.surgery.coverage.run_checks`); never raises."""
+    ``module`` (:func:`~benchmarks.coverage_hf.run_checks`); never raises."""
     if name is None:
         name = architectures()[module]
 

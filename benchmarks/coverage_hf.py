@@ -395,7 +395,7 @@ def run_checks(res: FamilyResult, build: Callable, timeout: Optional[float] = 30
     forward); a freshly patched ``rescontroller`` and ``mgr`` (backend :data:`BACKEND`) train one SGD step with
     finite loss, gradients and output. ``notes[res.family]`` is appended to the reason when the model is not
     exact."""
-    from . import patch_residuals, unpatch_residuals
+    from lightning_resctl import patch_residuals, unpatch_residuals
 
     t0 = time.perf_counter()
     stage = "build"

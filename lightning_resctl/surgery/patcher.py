@@ -1,15 +1,20 @@
-"""ResidualPatcher: the one owner of a callback's residual patch, from ``setup`` to ``teardown``."""
+"""ResidualPatcher: the one owner of a callback's residual patch, from ``setup`` to ``teardown``, and the
+plumbing it shares with the callbacks (checking the method, patching the model and the copies other callbacks
+hold, the one-line patch summary)."""
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
-from . import _common as C
+from ..runtime.log import rank_zero_line
+from ..rules import get_merge_rule, make_rule
+from .api import get_patch_report, merge_sites, patch_residuals, unpatch_residuals
 
-__all__ = ["ResidualPatcher", "merge_options"]
+__all__ = ["ResidualPatcher", "merge_options", "check_method", "ensure_patched", "patch_copies", "patch_line"]
 
 
 def merge_options(options: Mapping[str, Any] | None, method_options: Mapping[str, Any]) -> dict[str, Any]:
@@ -21,6 +26,101 @@ def merge_options(options: Mapping[str, Any] | None, method_options: Mapping[str
     if both:
         raise ValueError(f"option(s) {both} given both in options= and as keyword arguments; give each once")
     return {**dict(options or {}), **dict(method_options)}
+
+
+def check_method(method: Any, options: Mapping[str, Any] | None = None) -> str | None:
+    """``method`` must be None or a registered merge rule, and ``options`` valid options of it: checked when a
+    callback is constructed, not inside ``fit``."""
+    if method is None:
+        if options:
+            raise ValueError(f"method options {sorted(options)} given without a method (method=None)")
+        return None
+    try:
+        get_merge_rule(method)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"method must be None or a registered merge rule: {err}") from None
+    make_rule(method, dict(options or {}))
+    return method
+
+
+def _has_dtensor_params(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def ensure_patched(
+    module: nn.Module,
+    method: str | None,
+    *,
+    example_input: Any = None,
+    include: Any = None,
+    exclude: Any = None,
+    method_options: Mapping[str, Any] | None = None,
+    example_from: Any = None,
+) -> bool:
+    """Patch ``module`` with ``method`` unless it already is; ``method=None`` patches with ``"add"``
+    (plain additions, outputs bitwise unchanged) just to find the merges.
+
+    Returns True when this call patched the module (a module holding merge sites already, itself or in a
+    submodule, is left as is). ``example_from``: a module whose ``example_input_array`` serves as the
+    example input when neither ``example_input`` nor ``module.example_input_array`` is set. A module patched already with another method
+    raises ValueError; MGR on an already sharded (FSDP2/DTensor) module raises RuntimeError, since its
+    new parameters would not be sharded (patch inside ``configure_model`` before ``fully_shard``,
+    see :func:`lightning_resctl.callbacks.patch_in_configure_model`).
+    """
+    sites = merge_sites(module)  # also finds a patch applied to a submodule (e.g. self.model)
+    if sites or get_patch_report(module) is not None:
+        if method is not None:
+            have = {getattr(s, "method", None) for s in sites}
+            if have and have != {method}:
+                raise ValueError(
+                    f"the model is already patched with method {sorted(have)}, but the callback was given "
+                    f"method={method!r}; pass method=None to only observe, or unpatch first"
+                )
+        return False
+    use = method or "add"
+    rule = make_rule(use, dict(method_options or {}))
+    if rule.kind == "chain" and _has_dtensor_params(module):
+        raise RuntimeError(
+            f"the model's parameters are already sharded (DTensor) when the residual patch runs, so {use}'s new "
+            "parameters would not be sharded. Call `lightning_resctl.callbacks.patch_in_configure_model(self)` "
+            "in configure_model after building the layers and before fully_shard."
+        )
+    kwargs: dict[str, Any] = dict(method_options or {})
+    if example_input is None and example_from is not None and not hasattr(module, "example_input_array"):
+        example_input = getattr(example_from, "example_input_array", None)
+    if example_input is not None:
+        kwargs["example_input"] = example_input
+    if include is not None:
+        kwargs["include"] = include
+    if exclude is not None:
+        kwargs["exclude"] = exclude
+    patch_residuals(module, method=use, **kwargs)
+    return True
+
+
+def patch_copies(trainer: Any, pl_module: nn.Module, method: str | None, **kwargs: Any) -> None:
+    """Patch deep copies of ``pl_module`` held by other callbacks (e.g. StochasticWeightAveraging's average
+    model, copied in its ``setup`` before this callback ran) the same way, and give them the patched weights."""
+    for cb in getattr(trainer, "callbacks", []):
+        for name, value in list(vars(cb).items()):
+            if (
+                isinstance(value, nn.Module)
+                and value is not pl_module
+                and type(value) is type(pl_module)
+                and get_patch_report(value) is None
+            ):
+                try:
+                    ensure_patched(value, method, **kwargs)
+                    value.load_state_dict(pl_module.state_dict())
+                except Exception as err:  # noqa: BLE001 - a copy we cannot patch must not stop training
+                    warnings.warn(
+                        f"could not patch {type(cb).__name__}.{name} (a copy of the model) like the model: {err}",
+                        stacklevel=2,
+                    )
 
 
 class ResidualPatcher:
@@ -52,7 +152,7 @@ class ResidualPatcher:
         announce: bool = True,
     ) -> None:
         self.options = dict(options or {})
-        self.method = C.check_method(method, self.options)
+        self.method = check_method(method, self.options)
         self.example_input = example_input
         self.include = include
         self.exclude = exclude
@@ -88,14 +188,14 @@ class ResidualPatcher:
         """Patch ``model`` (default ``pl_module``; a submodule such as ``self.model`` is fine) now; no-op when
         ``pl_module`` holds merge sites already. Returns True when this call patched."""
         target = pl_module if model is None else model
-        if model is not None and model is not pl_module and C._surgery().merge_sites(pl_module):
+        if model is not None and model is not pl_module and merge_sites(pl_module):
             return False
-        patched = C.ensure_patched(target, self.method, example_from=pl_module, **self._kwargs())
+        patched = ensure_patched(target, self.method, example_from=pl_module, **self._kwargs())
         if patched:
             self.owns_patch = self.owns_patch or self.method is None
-            self.report = C._surgery().get_patch_report(target)
+            self.report = get_patch_report(target)
             if self.announce and self.method is not None:
-                C.rank_zero_line(patch_line(target, self.report))
+                rank_zero_line(patch_line(target, self.report))
         return patched
 
     def setup(self, trainer: Any, pl_module: nn.Module) -> None:
@@ -107,7 +207,7 @@ class ResidualPatcher:
 
         def patch_all() -> None:
             self.patch(pl_module)
-            C.patch_copies(trainer, pl_module, self.method, **self._kwargs())
+            patch_copies(trainer, pl_module, self.method, **self._kwargs())
 
         if is_overridden("configure_model", pl_module):
             if self._wrapped_configure:
@@ -131,9 +231,8 @@ class ResidualPatcher:
             del pl_module.configure_model
         self._wrapped_configure = False
         if self.owns_patch:
-            surgery = C._surgery()
-            if surgery.get_patch_report(pl_module) is not None or surgery.merge_sites(pl_module):
-                surgery.unpatch_residuals(pl_module)
+            if get_patch_report(pl_module) is not None or merge_sites(pl_module):
+                unpatch_residuals(pl_module)
             self.owns_patch = False
 
 
@@ -149,7 +248,7 @@ def patch_line(model: nn.Module, report: Any) -> str:
     parameters (0.25% of 3.2 M) · full report: lightning_resctl.get_patch_report(model)``."""
     if report is None:
         return "patched no residual merges"
-    sites = C._surgery().merge_sites(model)
+    sites = merge_sites(model)
     rule = next((s.rule for s in sites if getattr(s, "rule", None) is not None), None)
     detail = rule.summary() if rule is not None else ""
     what = f"{report.method}, {detail}" if detail else str(report.method)

@@ -1,1 +1,0 @@
-"""Small models shared by the benchmarks (and usable by tests); not part of the training API."""
