@@ -209,7 +209,7 @@ def test_fp64_compiles_and_its_spills_are_counted_apart(tmp_path):
         assert row["error"] is None and row["occupancy"] >= 0.25 and row["f64"] > 0, row
     spilled = sum(r["spill"] + r["stack"] for r in rows)
     assert summary["spilled_bytes"] == 0 and summary["fp64_spilled_bytes"] == spilled
-    # what kernels/tiles.py and the README state: fp64 spills (update both if the table gets fp64 limits)
+    # what kernels/tiles.py and docs/benchmarks.md state: fp64 spills (update both if the table gets fp64 limits)
     assert spilled > 0
     assert f"fp64 (tests only): {spilled} spilled bytes" in res.stdout
 

@@ -18,7 +18,7 @@ __all__ = ["PLAIN", "PRESETS", "DEFAULT_METHODS", "available_methods", "describe
 
 PLAIN = "plain"
 
-#: The quick default: sized to finish within 15 minutes on 2 CPU cores with the built-in model (see README).
+#: The quick default: sized to finish within 15 minutes on 2 CPU cores with the built-in model (see docs/compare.md).
 DEFAULT_METHODS = ("plain", "rescontroller", "mgr-independent", "mgr-competitive")
 
 #: Named method sets (``--preset``).
