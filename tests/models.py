@@ -16,8 +16,8 @@ from torch import nn
 __all__ = ["NanoGPT", "CausalSelfAttention", "MLP", "Block", "TinyViT", "ViTBlock", "BranchyNet"]
 
 
-# The nanoGPT is shared with the benchmarks (tests.support.models): one definition.
-from tests.support.models import MLP, Block, CausalSelfAttention, NanoGPT  # noqa: E402,F401
+# The nanoGPT is the compare job's built-in model: one definition.
+from lightning_resctl.compare.gpt import MLP, Block, CausalSelfAttention, NanoGPT  # noqa: E402,F401
 
 
 class ViTBlock(nn.Module):
