@@ -47,7 +47,7 @@ def test_the_merge_math_is_one_op_per_site_and_the_numbers_are_eager(method):
 def test_the_ops_pass_torch_library_opcheck():
     import importlib
 
-    from lightning_resctl.rules.mgr.ops import _mgr_step_torch_op
+    from lightning_resctl.rules.mgr.ops import mgr_step_torch_op
 
     rc = importlib.import_module("lightning_resctl.rules.rescontroller.ops")
     r, u = torch.randn(3, 5, 8, requires_grad=True), torch.randn(3, 5, 8, requires_grad=True)
@@ -60,5 +60,5 @@ def test_the_ops_pass_torch_library_opcheck():
         params = (torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True) if gated else None,
                   torch.randn(4, requires_grad=True) if gated else None,
                   torch.randn((), requires_grad=True) if competitive else None)
-        torch.library.opcheck(_mgr_step_torch_op, (s, x, *params, 1e-6, "torch-eager"))
+        torch.library.opcheck(mgr_step_torch_op, (s, x, *params, 1e-6, "torch-eager"))
 

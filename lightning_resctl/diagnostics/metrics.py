@@ -1,6 +1,6 @@
 """The generic per-depth residual statistics (any rule) as torchmetrics ``Metric`` objects.
 
-They share the base of the rules' own stats (:class:`lightning_resctl.rules.stats._DepthMetric`: sums, counts,
+They share the base of the rules' own stats (:class:`lightning_resctl.rules.stats.DepthMetric`: sums, counts,
 maxima and histograms reduced over ranks, accumulated in fp64); squares are formed in fp32 (fp64 for fp64 inputs).
 A rule's own families live beside the rule (``rules/<name>/stats.py``: ResController's ``ControllerStats``,
 MGR's ``MGRStats``, ...).
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..rules.stats import _DT, _DepthMetric, _float, _safe_div
+from ..rules.stats import STATS_DTYPE, DepthMetric, as_float, safe_div
 
 __all__ = [
     "StreamStats",
@@ -58,7 +58,7 @@ def histogram_median(hist: Tensor, lo: float = ABS_LOG2_RANGE[0], hi: float = AB
     return torch.where(total.squeeze(-1) > 0, med, torch.full_like(med, float("nan")))
 
 
-class StreamStats(_DepthMetric):
+class StreamStats(DepthMetric):
     """Stream energy and activation growth per depth (see the module docstring for the formulas).
 
     ``chain_starts[d]`` is the depth index of the first merge of d's chain (default: 0 for all).
@@ -83,22 +83,22 @@ class StreamStats(_DepthMetric):
     @torch.no_grad()
     def update(self, depth: int, stream: Tensor, update: Tensor | None = None) -> None:
         d = self._check_depth(depth)
-        s = _float(stream)
-        self.stream_sumsq[d] += s.square().sum(dtype=_DT)
+        s = as_float(stream)
+        self.stream_sumsq[d] += s.square().sum(dtype=STATS_DTYPE)
         self.stream_count[d] += s.numel()
         if s.numel():
             a = s.abs()
-            self.max_abs[d] = torch.maximum(self.max_abs[d], a.max().to(_DT))
+            self.max_abs[d] = torch.maximum(self.max_abs[d], a.max().to(STATS_DTYPE))
             lg = torch.log2(a.clamp_(min=2.0**-126)).clamp_(*ABS_LOG2_RANGE)
-            self.abs_hist[d] += torch.histc(lg, bins=_ABS_BINS, min=ABS_LOG2_RANGE[0], max=ABS_LOG2_RANGE[1]).to(_DT)
+            self.abs_hist[d] += torch.histc(lg, bins=_ABS_BINS, min=ABS_LOG2_RANGE[0], max=ABS_LOG2_RANGE[1]).to(STATS_DTYPE)
         if update is not None:
-            u = _float(update)
-            self.update_sumsq[d] += u.square().sum(dtype=_DT)
+            u = as_float(update)
+            self.update_sumsq[d] += u.square().sum(dtype=STATS_DTYPE)
             self.update_n[d] += u.numel()
 
     def compute(self) -> dict[str, Tensor]:
-        stream_rms = _safe_div(self.stream_sumsq, self.stream_count).sqrt()
-        update_rms = _safe_div(self.update_sumsq, self.update_n).sqrt()
+        stream_rms = safe_div(self.stream_sumsq, self.stream_count).sqrt()
+        update_rms = safe_div(self.update_sumsq, self.update_n).sqrt()
         start = stream_rms[torch.as_tensor(self.chain_starts, device=stream_rms.device)]
         median = histogram_median(self.abs_hist)
         seen = self.stream_count > 0
@@ -113,7 +113,7 @@ class StreamStats(_DepthMetric):
         }
 
 
-class GradStats(_DepthMetric):
+class GradStats(DepthMetric):
     """Gradient RMS per depth: of the stream entering merge d and of its branch's parameters.
 
     Both are ``sqrt(sum g^2 / N)``; under DDP the parameter gradients are identical on every
@@ -139,15 +139,15 @@ class GradStats(_DepthMetric):
         """Add a stream gradient ``grad`` and/or a parameter-gradient partial sum for ``depth``."""
         d = self._check_depth(depth)
         if grad is not None:
-            g = grad.detach().to(_DT)
+            g = grad.detach().to(STATS_DTYPE)
             self.stream_sumsq[d] += g.square().sum()
             self.stream_count[d] += g.numel()
         if param_sumsq is not None:
-            self.param_sumsq[d] += torch.as_tensor(param_sumsq, dtype=_DT, device=self.param_sumsq.device)
+            self.param_sumsq[d] += torch.as_tensor(param_sumsq, dtype=STATS_DTYPE, device=self.param_sumsq.device)
             self.param_count[d] += param_count
 
     def compute(self) -> dict[str, Tensor]:
         return {
-            "stream_grad_rms": _safe_div(self.stream_sumsq, self.stream_count).sqrt(),
-            "param_grad_rms": _safe_div(self.param_sumsq, self.param_count).sqrt(),
+            "stream_grad_rms": safe_div(self.stream_sumsq, self.stream_count).sqrt(),
+            "param_grad_rms": safe_div(self.param_sumsq, self.param_count).sqrt(),
         }

@@ -1,5 +1,5 @@
 """The base of every per-depth statistic (torchmetrics ``Metric``): a rule's stats (``rules/<name>/stats.py``) and
-the generic ones (:mod:`lightning_resctl.diagnostics.metrics`) subclass :class:`_DepthMetric`.
+the generic ones (:mod:`lightning_resctl.diagnostics.metrics`) subclass :class:`DepthMetric`.
 
 Every state is a sum, a count, a maximum or a fixed-bin histogram, declared once with
 ``add_state(..., dist_reduce_fx="sum"|"max")`` and accumulated in fp64, so reducing the states over ranks and then
@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-__all__ = ["_DepthMetric", "_safe_div", "_float", "_DT", "FrameStats"]
+__all__ = ["DepthMetric", "safe_div", "as_float", "STATS_DTYPE", "FrameStats"]
 
-_DT = torch.float64
+STATS_DTYPE = torch.float64
 
 
 def _check_depths(num_depths: int) -> int:
@@ -30,19 +30,19 @@ def _check_depths(num_depths: int) -> int:
     return num_depths
 
 
-def _float(t: Tensor) -> Tensor:
+def as_float(t: Tensor) -> Tensor:
     """Detached fp32 (or fp64) view of ``t``: sums of it are accumulated in fp64."""
     t = t.detach()
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-def _safe_div(num: Tensor, den: Tensor) -> Tensor:
+def safe_div(num: Tensor, den: Tensor) -> Tensor:
     """num / den, NaN where den == 0 (nothing observed)."""
     out = num / den.clamp_min(1e-300)
     return torch.where(den > 0, out, torch.full_like(out, float("nan")))
 
 
-class _DepthMetric(Metric):
+class DepthMetric(Metric):
     full_state_update = False
     higher_is_better = None
     is_differentiable = False
@@ -52,7 +52,7 @@ class _DepthMetric(Metric):
         self.num_depths = _check_depths(num_depths)
 
     def _state(self, name: str, shape: tuple[int, ...], fx: str = "sum") -> None:
-        self.add_state(name, default=torch.zeros(shape, dtype=_DT), dist_reduce_fx=fx)
+        self.add_state(name, default=torch.zeros(shape, dtype=STATS_DTYPE), dist_reduce_fx=fx)
 
     def _check_depth(self, depth: int) -> int:
         if not 0 <= depth < self.num_depths:
@@ -60,7 +60,7 @@ class _DepthMetric(Metric):
         return depth
 
 
-class FrameStats(_DepthMetric):
+class FrameStats(DepthMetric):
     """``update(depth, pre=(..., n), res=(..., n, n), post=(..., n))``: merge ``depth``'s coefficients."""
 
     def __init__(self, num_depths: int, streams: int, prefix: str = "hc", **kwargs) -> None:
@@ -79,21 +79,21 @@ class FrameStats(_DepthMetric):
     def update(self, depth: int, pre: Tensor, res: Tensor, post: Tensor) -> None:
         d = self._check_depth(depth)
         n = self.streams
-        r = res.detach().to(_DT).reshape(-1, n, n)
-        eye = torch.eye(n, dtype=_DT, device=r.device)
+        r = res.detach().to(STATS_DTYPE).reshape(-1, n, n)
+        eye = torch.eye(n, dtype=STATS_DTYPE, device=r.device)
         self.dist_sum[d] += (r - eye).square().sum((-1, -2)).sqrt().sum()
         err = torch.maximum((r.sum(-1) - 1).abs().amax(-1), (r.sum(-2) - 1).abs().amax(-1))
         self.ds_sum[d] += err.sum()
         self.rows[d] += r.shape[0]
-        self.pre_sum[d] += pre.detach().to(_DT).reshape(-1, n).sum(0)
-        self.post_sum[d] += post.detach().to(_DT).reshape(-1, n).sum(0)
+        self.pre_sum[d] += pre.detach().to(STATS_DTYPE).reshape(-1, n).sum(0)
+        self.post_sum[d] += post.detach().to(STATS_DTYPE).reshape(-1, n).sum(0)
 
     def compute(self) -> dict[str, Tensor]:
         p = self.prefix
         rows = self.rows.unsqueeze(-1)
         return {
-            f"{p}_res_identity_dist": _safe_div(self.dist_sum, self.rows),
-            f"{p}_ds_error": _safe_div(self.ds_sum, self.rows),
-            f"{p}_pre_mean": _safe_div(self.pre_sum, rows.expand_as(self.pre_sum)),
-            f"{p}_post_mean": _safe_div(self.post_sum, rows.expand_as(self.post_sum)),
+            f"{p}_res_identity_dist": safe_div(self.dist_sum, self.rows),
+            f"{p}_ds_error": safe_div(self.ds_sum, self.rows),
+            f"{p}_pre_mean": safe_div(self.pre_sum, rows.expand_as(self.pre_sum)),
+            f"{p}_post_mean": safe_div(self.post_sum, rows.expand_as(self.post_sum)),
         }

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..stats import _DT, _DepthMetric, _safe_div
+from ..stats import STATS_DTYPE, DepthMetric, safe_div
 
 __all__ = ["AttnResStats"]
 
 
-class AttnResStats(_DepthMetric):
+class AttnResStats(DepthMetric):
     """``update(depth, alpha=(..., m))``: the depth-attention weights of merge ``depth`` over its m sources."""
 
     def __init__(self, num_depths: int, max_sources: int, **kwargs) -> None:
@@ -29,7 +29,7 @@ class AttnResStats(_DepthMetric):
     @torch.no_grad()
     def update(self, depth: int, alpha: Tensor) -> None:
         d = self._check_depth(depth)
-        a = alpha.detach().to(_DT).reshape(-1, alpha.shape[-1])
+        a = alpha.detach().to(STATS_DTYPE).reshape(-1, alpha.shape[-1])
         m = a.shape[-1]
         if m > self.max_sources:
             raise ValueError(f"alpha has {m} sources, more than max_sources={self.max_sources}")
@@ -42,7 +42,7 @@ class AttnResStats(_DepthMetric):
 
     def compute(self) -> dict[str, Tensor]:
         return {
-            "attnres_weight": _safe_div(self.weight_sum, self.weight_count),
-            "attnres_entropy": _safe_div(self.entropy_sum, self.entropy_count),
-            "attnres_sources": _safe_div(self.sources_sum, self.entropy_count),
+            "attnres_weight": safe_div(self.weight_sum, self.weight_count),
+            "attnres_entropy": safe_div(self.entropy_sum, self.entropy_count),
+            "attnres_sources": safe_div(self.sources_sum, self.entropy_count),
         }

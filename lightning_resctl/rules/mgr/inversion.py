@@ -16,10 +16,10 @@ from torch import Tensor
 
 from ..common import compute_dtype
 
-__all__ = ["_InvertRun", "reconstruct_inputs", "output_streams"]
+__all__ = ["InvertRun", "reconstruct_inputs", "output_streams"]
 
 
-class _InvertRun:
+class InvertRun:
     """State of one forward pass of a chain with inversion.
 
     * ``outputs[k]``: (weakref to merge k's output, detached alias, version) until merge k+1 claims it — an
@@ -64,7 +64,7 @@ def reconstruct_inputs(out2: Tensor, u2: Tensor, beta: Tensor, mask: Tensor, exa
     return s2.to(out2.dtype)
 
 
-def output_streams(run: _InvertRun, k: int, saved_out: Optional[Tensor]) -> Tensor:
+def output_streams(run: InvertRun, k: int, saved_out: Optional[Tensor]) -> Tensor:
     """Merge k's output streams in the backward: reconstructed by the merge that consumed them, or kept."""
     out = run.slots.pop(k, None)
     if out is not None:

@@ -14,8 +14,8 @@ from ...runtime.autograd import autocast_off, refuse_transforms
 from ..checks import check_int
 from ..common import check_rule_backend
 from .config import MGRConfig
-from .inversion import _InvertRun
-from .ops import _MGRStepFn, _TieZeroGrad, _kernels, _mgr_step_torch_op
+from .inversion import InvertRun
+from .ops import MGRStepFn, TieZeroGrad, _kernels, mgr_step_torch_op
 from .reference import MGRInit, attn_pool_reference, mgr_bias_init, mgr_gates_reference, mgr_step_reference
 
 __all__ = ["MGRPool", "MGRMerge", "MGRRun", "MGRChain"]
@@ -188,7 +188,7 @@ class MGRChain(nn.Module):
             MGRMerge(k, dim, streams, gating, accumulating=k < streams - 1, init=self.init) for k in range(num_merges))
         self.output_pool = MGRPool(dim)
         self._run_ref: Optional[weakref.ref] = None
-        self._run_keep: Optional[_InvertRun] = None
+        self._run_keep: Optional[InvertRun] = None
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -286,17 +286,17 @@ class MGRChain(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"x must be floating point, got {x.dtype}")
         if self.inverts(x):
-            run = _InvertRun(self.invert_top_p, self.invert_threshold, self.invert_max_gain)
+            run = InvertRun(self.invert_top_p, self.invert_threshold, self.invert_max_gain)
             self._run_ref = weakref.ref(run)
             self._run_keep = run  # held until the first step hands it to the graph
         return x.unsqueeze(-2), x
 
-    def _current_run(self, streams: Tensor) -> Optional[_InvertRun]:
+    def _current_run(self, streams: Tensor) -> Optional[InvertRun]:
         if not self.inverts(streams):
             return None
         run = self._run_ref() if self._run_ref is not None else None
         if run is None:  # a chain driven without start() (or after the graph was freed): begin a new run
-            run = _InvertRun(self.invert_top_p, self.invert_threshold, self.invert_max_gain)
+            run = InvertRun(self.invert_top_p, self.invert_threshold, self.invert_max_gain)
             self._run_ref = weakref.ref(run)
         return run
 
@@ -317,7 +317,7 @@ class MGRChain(nn.Module):
         gq, gb, fb = merge.gate_params()
         backend = self.resolved_backend(streams)
         if k == 0 and torch.is_grad_enabled() and merge.pool_query.requires_grad and not _transformed():
-            u = _TieZeroGrad.apply(u, merge.pool_query)  # (for DDP; not under torch.func / forward-mode AD)
+            u = TieZeroGrad.apply(u, merge.pool_query)  # (for DDP; not under torch.func / forward-mode AD)
         if backend == "reference":
             return mgr_step_reference(streams, u, wq, gq, gb, fb, self.gating, self.eps)
         refuse_transforms(f"MGR (fused step, backend={backend!r})", "backend='reference'", streams, u, wq, gq, gb, fb)
@@ -328,13 +328,13 @@ class MGRChain(nn.Module):
             with autocast_off(streams.device.type):  # the fused op's own torch ops in fp32
                 out, h, _, _ = _kernels().mgr_step(streams, u, wq, gq, gb, fb, self.eps)
             return out, h
-        if run is None and opaque_under_compile():  # the torch path as one op per direction (backends)
-            out, h, _, _ = _mgr_step_torch_op(streams, u, wq, gq, gb, fb, self.eps, backend)
+        if run is None and opaque_under_compile():  # the torch path as one op per direction (runtime.backends.opaque_under_compile)
+            out, h, _, _ = mgr_step_torch_op(streams, u, wq, gq, gb, fb, self.eps, backend)
             return out, h
         # "torch" on CPU: one compiled region per direction when a C++ compiler is present (lightning_resctl.runtime.backends)
         mode = "triton" if backend == "triton" else torch_mode(backend, streams)
         cfg = (mode, self.eps, run, k, k == self.num_merges - 1)
-        return _MGRStepFn.apply(streams, u, wq, gq, gb, fb, cfg)
+        return MGRStepFn.apply(streams, u, wq, gq, gb, fb, cfg)
 
     def skip(self, k: int, streams: Tensor) -> tuple[Tensor, Tensor]:
         """Ablation of merge k's branch: gated merges leave the streams unchanged; accumulating merges append a

@@ -1,9 +1,9 @@
 """The fused MGR step (merge k + the AttnPool of merge k+1) as one autograd Function.
 
-* torch path: :func:`_torch_step_forward` / :func:`_torch_step_backward` — a few fused torch ops per step and
-  the closed-form backward (formulas in :func:`_torch_step_backward`);
+* torch path: :func:`torch_step_forward` / :func:`torch_step_backward` — a few fused torch ops per step and
+  the closed-form backward (formulas in :func:`torch_step_backward`);
 * Triton path: ``lightning_resctl.kernels.mgr`` (one fused kernel per direction, ``torch.library`` ops);
-* :class:`_MGRStepFn` dispatches to either and, with a :class:`~.inversion._InvertRun`, saves only what the
+* :class:`MGRStepFn` dispatches to either and, with a :class:`~.inversion.InvertRun`, saves only what the
   fallback inversion needs.
 
 The math is stated (and implemented as the oracle) in :mod:`.reference`.
@@ -23,7 +23,7 @@ from ...runtime.regions import CompiledMath
 from ..common import compute_dtype, kernel_loader
 from .inversion import output_streams, reconstruct_inputs
 
-__all__ = ["_MGRStepFn", "_TieZeroGrad", "_torch_step_forward", "_torch_step_backward", "_kernels", "_mgr_step_torch_op"]
+__all__ = ["MGRStepFn", "TieZeroGrad", "torch_step_forward", "torch_step_backward", "mgr_step_torch_op"]
 
 
 def _gates_from_logits(z: Tensor, forget_bias: Optional[Tensor]) -> Tensor:
@@ -39,7 +39,7 @@ def _rsqrt_mean_sq(x: Tensor, eps: float) -> Tensor:
     return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square_().div_(c).add_(eps))
 
 
-def _torch_step_forward(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
+def torch_step_forward(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
                         gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], eps: float):
     """streams (..., m, C), u (..., C).
 
@@ -69,11 +69,11 @@ def _torch_step_forward(streams: Tensor, u: Tensor, next_query: Tensor, gate_que
     return out, h.to(streams.dtype), beta, a, (r, pq, r2, p2)
 
 
-def _torch_step_backward(streams: Tensor, u: Optional[Tensor], beta: Optional[Tensor], a: Tensor,
+def torch_step_backward(streams: Tensor, u: Optional[Tensor], beta: Optional[Tensor], a: Tensor,
                          out: Optional[Tensor], stats, next_query: Tensor, gate_query: Optional[Tensor],
                          forget_bias: Optional[Tensor], grad_out: Optional[Tensor], grad_h: Optional[Tensor],
                          eps: float):
-    """Closed-form backward of :func:`_torch_step_forward` (flat shapes). ``out`` and ``stats`` may be None
+    """Closed-form backward of :func:`torch_step_forward` (flat shapes). ``out`` and ``stats`` may be None
     (recomputed). Returns ``(d_streams, d_u, d_gate_query, d_gate_bias, d_forget_bias, d_next_query)``.
 
     Pool: ``G_i = dS'_i + a_i dh + k_i (w - (w.s'_i) r'_i^2 s'_i / C)`` with ``k = a (da - sum a da) r' / sqrt(C)``,
@@ -142,7 +142,7 @@ _kernels = kernel_loader("mgr")
 
 #: (forward, backward) of the torch path for a torch_mode: eager ops, or one compiled region each
 #: (lightning_resctl.runtime.backends)
-_torch_fns = CompiledMath(_torch_step_forward, _torch_step_backward)
+_torch_fns = CompiledMath(torch_step_forward, torch_step_backward)
 
 
 def _step_forward(backend: str, streams, u, next_query, gate_query, gate_bias, forget_bias, eps):
@@ -165,10 +165,10 @@ def _step_backward(backend: str, streams, u, beta, a, out, stats, next_query, ga
                                   grad_h, eps)
 
 
-class _MGRStepFn(torch.autograd.Function):
+class MGRStepFn(torch.autograd.Function):
     """One step (merge + next pool) with a closed-form backward; optionally with fallback inversion.
 
-    ``cfg = (backend, eps, run, k, last)``; ``run`` is the chain's :class:`_InvertRun` or None (save the input
+    ``cfg = (backend, eps, run, k, last)``; ``run`` is the chain's :class:`InvertRun` or None (save the input
     streams as usual)."""
 
     @staticmethod
@@ -232,7 +232,7 @@ class _MGRStepFn(torch.autograd.Function):
         return ds.reshape(*lead, m, c), du.reshape(*lead, c), dw, dq, db, df, None
 
 
-class _TieZeroGrad(torch.autograd.Function):
+class TieZeroGrad(torch.autograd.Function):
     """Identity on ``x`` that gives ``p`` an exact zero gradient (merge 0's pool sees one stream, so its
     softmax is 1 whatever its query: the true gradient is 0; this keeps the parameter 'used' for DDP)."""
 
@@ -268,19 +268,19 @@ def _step_backward_shaped(bwd, streams, u, beta, a, next_query, gate_query, gate
 
 
 @torch.library.custom_op("lightning_resctl::mgr_step_torch", mutates_args=())
-def _mgr_step_torch_op(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
+def mgr_step_torch_op(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
                        gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], eps: float,
                        backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(streams', h, beta, a)`` of :func:`_torch_step_forward` (beta, a flattened over the leading dims; beta
+    """``(streams', h, beta, a)`` of :func:`torch_step_forward` (beta, a flattened over the leading dims; beta
     empty for an accumulating merge)."""
     fwd = _torch_fns(torch_mode(backend, streams))[0]
     return op_outputs(lambda *args: _step_forward_shaped(fwd, *args), streams, u, next_query, gate_query, gate_bias,
                       forget_bias, eps)
 
 
-@_mgr_step_torch_op.register_fake
+@mgr_step_torch_op.register_fake
 def _(streams, u, next_query, gate_query, gate_bias, forget_bias, eps, backend):
-    return op_outputs(lambda *args: _step_forward_shaped(_torch_step_forward, *args), streams, u, next_query,
+    return op_outputs(lambda *args: _step_forward_shaped(torch_step_forward, *args), streams, u, next_query,
                       gate_query, gate_bias, forget_bias, eps, fake=True)
 
 
@@ -289,7 +289,7 @@ def _mgr_step_torch_backward_op(streams: Tensor, u: Tensor, beta: Tensor, a: Ten
                                 gate_query: Optional[Tensor], gate_bias: Optional[Tensor],
                                 forget_bias: Optional[Tensor], grad_out: Optional[Tensor], grad_h: Optional[Tensor],
                                 eps: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(d_streams, d_u, d_gate_query, d_gate_bias, d_forget_bias, d_next_query)`` of :func:`_torch_step_backward`
+    """``(d_streams, d_u, d_gate_query, d_gate_bias, d_forget_bias, d_next_query)`` of :func:`torch_step_backward`
     (absent parameters get empty tensors)."""
     bwd = _torch_fns(torch_mode(backend, streams))[1]
     return op_outputs(lambda *args: _step_backward_shaped(bwd, *args), streams, u, beta, a, next_query, gate_query,
@@ -298,7 +298,7 @@ def _mgr_step_torch_backward_op(streams: Tensor, u: Tensor, beta: Tensor, a: Ten
 
 @_mgr_step_torch_backward_op.register_fake
 def _(streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias, grad_out, grad_h, eps, backend):
-    return op_outputs(lambda *args: _step_backward_shaped(_torch_step_backward, *args), streams, u, beta, a,
+    return op_outputs(lambda *args: _step_backward_shaped(torch_step_backward, *args), streams, u, beta, a,
                       next_query, gate_query, gate_bias, forget_bias, grad_out, grad_h, eps, fake=True)
 
 
@@ -319,4 +319,4 @@ def _op_backward(ctx, grad_out, grad_h, _grad_beta, _grad_a):
             None, None)
 
 
-_mgr_step_torch_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+mgr_step_torch_op.register_autograd(_op_backward, setup_context=_op_setup_context)

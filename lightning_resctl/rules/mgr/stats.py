@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..stats import _DT, _DepthMetric, _safe_div
+from ..stats import STATS_DTYPE, DepthMetric, safe_div
 
 __all__ = ["MGRStats"]
 
 
-class MGRStats(_DepthMetric):
+class MGRStats(DepthMetric):
     """Multi-Gate Residual statistics per depth and stream (``streams`` = n).
 
     ``update(depth, streams=(..., n_k, C), beta=(..., n) or None, forget=(...) or None,
@@ -66,25 +66,25 @@ class MGRStats(_DepthMetric):
     ) -> None:
         d = self._check_depth(depth)
         if beta is not None:
-            b = beta.detach().to(_DT).reshape(-1, beta.shape[-1])
+            b = beta.detach().to(STATS_DTYPE).reshape(-1, beta.shape[-1])
             k = min(b.shape[-1], self.streams)
             b = b[:, :k]
             self.beta_sum[d, :k] += b.sum(0)
             self.beta_sumsq[d, :k] += b.square().sum(0)
             self.beta_count[d, :k] += b.shape[0]
             for i in range(k):
-                self.beta_hist[d, i] += torch.histc(b[:, i].float(), bins=self.hist_bins, min=0.0, max=1.0).to(_DT)
+                self.beta_hist[d, i] += torch.histc(b[:, i].float(), bins=self.hist_bins, min=0.0, max=1.0).to(STATS_DTYPE)
         if forget is not None:
-            f = forget.detach().to(_DT)
+            f = forget.detach().to(STATS_DTYPE)
             self.forget_sum[d] += f.sum()
             self.forget_count[d] += f.numel()
         if pool is not None:
-            a = pool.detach().to(_DT)
+            a = pool.detach().to(STATS_DTYPE)
             ent = -(a * a.clamp_min(1e-300).log()).sum(-1)
             self.entropy_sum[d] += ent.sum()
             self.entropy_count[d] += ent.numel()
         if streams is not None:
-            s = streams.detach().to(_DT)
+            s = streams.detach().to(STATS_DTYPE)
             k = min(s.shape[-2], self.streams)
             s = s[..., :k, :]
             flat = s.reshape(-1, k, s.shape[-1])
@@ -99,18 +99,18 @@ class MGRStats(_DepthMetric):
                 self.angle_count[d] += ang.numel()
 
     def compute(self) -> dict[str, Tensor]:
-        mean = _safe_div(self.beta_sum, self.beta_count)
-        var = (_safe_div(self.beta_sumsq, self.beta_count) - mean.square()).clamp_min(0)
+        mean = safe_div(self.beta_sum, self.beta_count)
+        var = (safe_div(self.beta_sumsq, self.beta_count) - mean.square()).clamp_min(0)
         return {
             "gate_mean": mean,
             "gate_std": var.sqrt(),
-            "forget_mean": _safe_div(self.forget_sum, self.forget_count),
-            "pool_entropy": _safe_div(self.entropy_sum, self.entropy_count),
-            "stream_rms": _safe_div(self.stream_sumsq, self.stream_count).sqrt(),
-            "angle": _safe_div(self.angle_sum, self.angle_count),
+            "forget_mean": safe_div(self.forget_sum, self.forget_count),
+            "pool_entropy": safe_div(self.entropy_sum, self.entropy_count),
+            "stream_rms": safe_div(self.stream_sumsq, self.stream_count).sqrt(),
+            "angle": safe_div(self.angle_sum, self.angle_count),
             "gate_hist": self.beta_hist.clone(),  # (D, n, hist_bins) counts, reduced over ranks like the rest
         }
 
     def histogram_edges(self) -> Tensor:
         """Bucket edges (hist_bins + 1,) of ``beta_hist`` over [0, 1]."""
-        return torch.linspace(0.0, 1.0, self.hist_bins + 1, dtype=_DT)
+        return torch.linspace(0.0, 1.0, self.hist_bins + 1, dtype=STATS_DTYPE)

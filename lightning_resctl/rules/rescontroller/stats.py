@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..stats import _DT, _DepthMetric, _safe_div
+from ..stats import STATS_DTYPE, DepthMetric, safe_div
 
 __all__ = ["ControllerStats"]
 
 
-class ControllerStats(_DepthMetric):
+class ControllerStats(DepthMetric):
     """ResController scales per depth: fed with ``ControllerScales`` (``alpha``, ``beta``,
     ``update_cap_active``, ``stream_cap_active``; one entry per row)."""
 
@@ -23,16 +23,16 @@ class ControllerStats(_DepthMetric):
     @torch.no_grad()
     def update(self, depth: int, scales) -> None:
         d = self._check_depth(depth)
-        self.alpha_sum[d] += scales.alpha.detach().to(_DT).sum()
-        self.beta_sum[d] += scales.beta.detach().to(_DT).sum()
-        self.ucap_sum[d] += scales.update_cap_active.detach().to(_DT).sum()
-        self.scap_sum[d] += scales.stream_cap_active.detach().to(_DT).sum()
+        self.alpha_sum[d] += scales.alpha.detach().to(STATS_DTYPE).sum()
+        self.beta_sum[d] += scales.beta.detach().to(STATS_DTYPE).sum()
+        self.ucap_sum[d] += scales.update_cap_active.detach().to(STATS_DTYPE).sum()
+        self.scap_sum[d] += scales.stream_cap_active.detach().to(STATS_DTYPE).sum()
         self.rows[d] += scales.alpha.numel()
 
     def compute(self) -> dict[str, Tensor]:
         return {
-            "alpha_mean": _safe_div(self.alpha_sum, self.rows),
-            "beta_mean": _safe_div(self.beta_sum, self.rows),
-            "update_cap_frac": _safe_div(self.ucap_sum, self.rows),
-            "stream_cap_frac": _safe_div(self.scap_sum, self.rows),
+            "alpha_mean": safe_div(self.alpha_sum, self.rows),
+            "beta_mean": safe_div(self.beta_sum, self.rows),
+            "update_cap_frac": safe_div(self.ucap_sum, self.rows),
+            "stream_cap_frac": safe_div(self.scap_sum, self.rows),
         }
