@@ -4,7 +4,7 @@
     python benchmarks/bench_first_step.py --rules rescontroller,mgr-competitive --models gpt --skip-compile
 
 **First step** (issue 20's goals: ≤ 5 s more than eager with a cold inductor cache, ≤ 1 s more with a warm one):
-for each model — the nanoGPT of ``lightning_resctl/compare/gpt.py`` (12 layers, C=256, T=64, batch 8) and a
+for each model — the nanoGPT of ``lightning_resctl/compare/nanogpt.py`` (12 layers, C=256, T=64, batch 8) and a
 ResNet-18-shaped conv net (32x32 images, batch 8; one feature-map shape per stage) — and each rule (default
 backend; "plain" is the unpatched model), one fresh Python process builds the model, patches it and times its first
 training step (forward, loss, backward, AdamW step) with a fresh ``TORCHINDUCTOR_CACHE_DIR`` ("cold"); it then keeps

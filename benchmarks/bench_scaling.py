@@ -4,7 +4,7 @@
                                        [--threads N] [--out docs/results/bench_scaling_cpu]
     python benchmarks/bench_scaling.py --profile mgr-competitive [--depths 12 --widths 128]
 
-Each cell of the grid (layers x C of the nanoGPT of ``lightning_resctl/compare/gpt.py``; T=64, batch 8,
+Each cell of the grid (layers x C of the nanoGPT of ``lightning_resctl/compare/nanogpt.py``; T=64, batch 8,
 4 heads unless given) is measured in a fresh process, as ``bench_peers.py`` measures one size: one training step
 (forward, loss, backward, AdamW) of plain and of every registered rule installed with ``patch_residuals`` (its
 default options: n=4 streams for the multi-stream rules), interleaved, median wall clock over ``--reps``; saved

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_surgery.py [--reps 15] [--batch 8] [--models nanogpt,gpt2] [--threads 1] [--clock cpu]
 
-For each model (the nanoGPT-style GPT of lightning_resctl/compare/gpt.py: 12 layers, C=256, T=64; and HF GPT-2 with the same
+For each model (the nanoGPT-style GPT of lightning_resctl/compare/nanogpt.py: 12 layers, C=256, T=64; and HF GPT-2 with the same
 small config), four copies of the same initial weights are built: unpatched, and patched with ``add``,
 ``rescontroller`` and ``mgr`` (n=4). Their training steps (forward, loss, backward, AdamW step) are timed
 side by side in one process, interleaved (every repetition runs each variant once, in a rotating order), and

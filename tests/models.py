@@ -17,7 +17,7 @@ __all__ = ["NanoGPT", "CausalSelfAttention", "MLP", "Block", "TinyViT", "ViTBloc
 
 
 # The nanoGPT is the compare job's built-in model: one definition.
-from lightning_resctl.compare.gpt import MLP, Block, CausalSelfAttention, NanoGPT  # noqa: E402,F401
+from lightning_resctl.compare.nanogpt import MLP, Block, CausalSelfAttention, NanoGPT  # noqa: E402,F401
 
 
 class ViTBlock(nn.Module):

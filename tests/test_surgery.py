@@ -52,7 +52,7 @@ def test_nanogpt_sites_are_exactly_the_true_merges():
     assert report.sites[1].source_line == "x = x + self.mlp(self.ln_2(x))"
     lines, first = inspect.getsourcelines(Block.forward)
     attn_line = first + next(i for i, t in enumerate(lines) if "x = x + self.attn" in t)
-    assert report.sites[0].location.endswith(f"compare/gpt.py:{attn_line}")
+    assert report.sites[0].location.endswith(f"compare/nanogpt.py:{attn_line}")
     assert all(s.stream_shape == (2, 16, 32) and s.method == "add" and s.module is None for s in report.sites)
     assert all(s.stream_operand == "left" for s in report.sites)
     # the positional embedding is not a merge, and says why

@@ -1,8 +1,8 @@
 """Test and benchmark helpers around the project's one nanoGPT (:class:`NanoGPT`, which lives with the compare job
-that trains it: :mod:`lightning_resctl.compare.gpt`), and hand wiring of merge rules into it.
+that trains it: :mod:`lightning_resctl.compare.nanogpt`), and hand wiring of merge rules into it.
 
 * :class:`NanoGPT` (and its ``Block``, ``CausalSelfAttention``, ``MLP``) — imported from
-  :mod:`lightning_resctl.compare.gpt` (one definition).
+  :mod:`lightning_resctl.compare.nanogpt` (one definition, no Lightning import).
 * :func:`wire_merges` — replace both residual additions of every block by ``merge(x, update)`` (no surgery).
 * :func:`wire_hyper_connections` — HC / mHC of the ``hyper-connections`` package wired by hand into the
   same GPT (the package's own ``expand_stream`` / ``reduce_stream`` and one connection per sub-layer).
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_resctl.compare.gpt import MLP, Block, CausalSelfAttention, NanoGPT
+from lightning_resctl.compare.nanogpt import MLP, Block, CausalSelfAttention, NanoGPT
 
 __all__ = ["NanoGPT", "Block", "CausalSelfAttention", "MLP", "wire_merges", "wire_hyper_connections", "gpt_loss",
            "add_step_arguments", "ResNet", "BasicBlock"]
