@@ -43,7 +43,7 @@ from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
 from lightning_resctl.callbacks import ResidualControlCallback  # noqa: E402
 from lightning_resctl.diagnostics import ResidualMonitor  # noqa: E402
 from lightning_resctl.surgery import patch_residuals  # noqa: E402
-from tests.support.models import NanoGPT  # noqa: E402
+from benchmarks.models import NanoGPT  # noqa: E402
 
 
 class Lit(L.LightningModule):

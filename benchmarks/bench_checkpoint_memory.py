@@ -1,6 +1,6 @@
 """Activation memory of patched models with and without activation checkpointing (issue 28).
 
-A 12-layer nanoGPT (``tests.support.models.NanoGPT``, C = 256, 4 heads, T = 256, batch 4, fp32,
+A 12-layer nanoGPT (``benchmarks.models.NanoGPT``, C = 256, 4 heads, T = 256, batch 4, fp32,
 CPU) trains one step as plain / rescontroller / mgr n=4 / attnres-block; "ckpt" wraps each block in
 ``checkpoint_wrapper`` (non-reentrant ``torch.utils.checkpoint``) after the patch. Per row:
 
@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: tests.support
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: benchmarks.models
 
 from lightning_resctl import patch_residuals  # noqa: E402
 from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
-from tests.support.models import NanoGPT  # noqa: E402
+from benchmarks.models import NanoGPT  # noqa: E402
 
 METHODS = (("plain", None, {}), ("rescontroller", "rescontroller", {}),
            ("mgr n=4", "mgr", {"streams": 4, "backend": "torch-eager"}), ("attnres-block", "attnres-block", {}))

@@ -54,7 +54,7 @@ def _build(model: str, layers: int):
     import torch
     import torch.nn.functional as F
 
-    from tests.support.models import NanoGPT, ResNet
+    from benchmarks.models import NanoGPT, ResNet
 
     torch.manual_seed(0)
     if model == "gpt":

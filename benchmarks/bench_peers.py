@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning_resctl  # noqa: E402
-from tests.support.models import (  # noqa: E402
+from benchmarks.models import (  # noqa: E402
     NanoGPT,
     add_step_arguments,
     wire_hyper_connections,

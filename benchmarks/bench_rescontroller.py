@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: tests.support
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: benchmarks.models
 
 from lightning_resctl.runtime.backends import cpu_compile_available
 from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
@@ -155,8 +155,8 @@ def bench_merge(device, rows_for, dtypes, widths, reps):
 # part 2: a 12-layer GPT, controller in every merge vs plain addition
 # ----------------------------------------------------------------------------------------------
 def _load_test_model():
-    """The benchmarks' nanoGPT and hand wiring (tests.support.models)."""
-    from tests.support.models import NanoGPT, wire_merges
+    """The benchmarks' nanoGPT and hand wiring (benchmarks.models)."""
+    from benchmarks.models import NanoGPT, wire_merges
 
     return NanoGPT, wire_merges
 

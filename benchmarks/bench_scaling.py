@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lightning_resctl.rules import get_merge_rule, merge_rules  # noqa: E402
-from tests.support.models import NanoGPT, gpt_loss  # noqa: E402
+from benchmarks.models import NanoGPT, gpt_loss  # noqa: E402
 from step_bench import build_rows, ratio, rule_installer, time_interleaved  # noqa: E402
 
 #: (rules, width or None for every width, step-time goal, saved-bytes goal or None) — issue 24's goals.

@@ -132,7 +132,7 @@ class Timm(Library):
     default_timeout = 120.0
 
     def version(self):
-        from tests.support.timm_import import import_timm
+        from benchmarks.timm_import import import_timm
 
         return f"timm {import_timm().__version__}"
 
@@ -153,7 +153,7 @@ smallest whose blocks include an identity residual (`MODELS` in `benchmarks/cove
 built with `pretrained=False` (random init, nothing downloaded), with `depth=2` where the constructor takes it,
 and run on 2 random images of the smallest size it accepts among 32, 56, 64, 96, 112, 128 pixels (passed as
 `img_size` where the model takes it), else its default input size. timm is imported without torchvision through
-`import_timm()` of `tests/support/timm_import.py` (docs/install.md). The structural expectation is read from
+`import_timm()` of `benchmarks/timm_import.py` (docs/install.md). The structural expectation is read from
 the model's blocks during one forward (`expected_merges` in `benchmarks/coverage_timm.py`): timm
 puts a stochastic-depth slot on each residual branch (`drop_path`, `drop_path1`, `attn_drop_path`...), so each
 call of a slot is one merge; a block whose shortcut is a projection (a `downsample`/`shortcut`/`skip` module

@@ -5,7 +5,7 @@ Each module's model with the fewest parameters (:data:`MODELS`, counted on the m
 downloaded) — with ``depth=2`` where its constructor takes a ``depth`` — and run on 2 random images of the
 smallest size it accepts among :data:`SIZES` (passed as ``img_size`` where the model takes it), else its
 default input size, through the checks of :func:`benchmarks.coverage_hf.run_checks`. timm is
-imported with :func:`tests.support.timm_import.import_timm` (no torchvision needed).
+imported with :func:`benchmarks.timm_import.import_timm` (no torchvision needed).
 
 The structural expectation (:func:`expected_merges`) is read from the model's modules: see its docstring.
 
@@ -136,7 +136,7 @@ NOTES: dict = {}
 
 
 def _timm():
-    from tests.support.timm_import import import_timm
+    from benchmarks.timm_import import import_timm
 
     return import_timm()
 

@@ -4,7 +4,7 @@ import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# the repository root, so that the test-only helpers import as ``tests.support...`` (as the benchmarks do)
+# the repository root, so that the helpers shared with the benchmarks import as ``benchmarks.models`` / ``benchmarks.timm_import``
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from benchmarks import coverage_hf, coverage_litgpt, coverage_timm  # noqa: E402
-from tests.support.timm_import import import_timm  # noqa: E402
+from benchmarks.timm_import import import_timm  # noqa: E402
 from surgery_checks import one_thread  # noqa: E402,F401 (module fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,7 +155,7 @@ def test_timm_imports_without_torchvision_and_leaves_none_behind():
 
 
 def test_frozen_batchnorm_stand_in_is_batchnorm_in_eval():
-    from tests.support.timm_import import FrozenBatchNorm2d
+    from benchmarks.timm_import import FrozenBatchNorm2d
 
     bn = torch.nn.BatchNorm2d(3).eval()
     with torch.no_grad():

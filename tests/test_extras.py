@@ -78,7 +78,8 @@ def _installed_closure(roots: list[Requirement]) -> set[str]:
 def _imported_top_level_modules() -> dict[str, set[str]]:
     """Top-level module -> test files importing it (``import``, ``from ... import``, ``importorskip``)."""
     found: dict[str, set[str]] = {}
-    for path in sorted(TESTS.rglob("*.py")):  # tests/support/ too
+    # the test files, and the benchmarks' helpers the tests import (benchmarks/models.py, timm_import.py)
+    for path in [*sorted(TESTS.rglob("*.py")), ROOT / "benchmarks" / "models.py", ROOT / "benchmarks" / "timm_import.py"]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = []
             if isinstance(node, ast.Import):
@@ -104,7 +105,7 @@ def test_every_imported_package_is_installed_by_the_test_command():
     assert "test" in extras, "the README's test command installs the project without its test extra"
     provided = _installed_closure([*requirements, Requirement(f"{PROJECT}[{','.join(sorted(extras))}]")]) | alone
     module_to_dists = metadata.packages_distributions()
-    # the repository's own: the package, the test modules, tests.support (test helpers) and benchmarks (the sweeps)
+    # the repository's own: the package, the test modules, and benchmarks (the sweeps and the helpers the tests share with them)
     local = ({p.stem for p in TESTS.glob("*.py")} | {"lightning_resctl", "tests", "benchmarks", "__future__"}
              | _written_by_the_tests())
 
@@ -123,7 +124,7 @@ def test_every_imported_package_is_installed_by_the_test_command():
 # Requirements of a ``--no-deps`` package that the suite deliberately goes without, with the reason.
 NOT_INSTALLED_ON_PURPOSE = {
     "torchvision": "timm requires it; its PyPI build is a CUDA build that does not load beside the CPU torch pin "
-                   "(the suite imports timm through tests.support.timm_import.import_timm)",
+                   "(the suite imports timm through benchmarks.timm_import.import_timm)",
 }
 
 

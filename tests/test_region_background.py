@@ -207,7 +207,7 @@ def test_after_the_wait_the_default_backend_runs_every_merge_compiled(method, fr
     steps call no region eagerly, and the regions hold the graphs ``backend="torch-compiled"`` compiles."""
     from lightning_resctl import patch_residuals
     from lightning_resctl.runtime.regions import region_calls
-    from tests.support.models import NanoGPT, gpt_loss
+    from benchmarks.models import NanoGPT, gpt_loss
 
     def steps(model, n):
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)

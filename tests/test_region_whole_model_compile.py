@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_resctl.surgery import patch_residuals
-from tests.support.models import NanoGPT, gpt_loss
+from benchmarks.models import NanoGPT, gpt_loss
 
 OPS = {"rescontroller": "lightning_resctl.rescontroller_torch", "mgr-competitive": "lightning_resctl.mgr_step_torch"}
 

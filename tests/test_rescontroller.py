@@ -16,7 +16,7 @@ import lightning_resctl
 from lightning_resctl.runtime.memory import saved_tensor_bytes
 from lightning_resctl.rules.rescontroller import (ControllerScales, ResController, rescontroller,
                                                   rescontroller_reference, rescontroller_scales)
-from tests.support.models import wire_merges
+from benchmarks.models import wire_merges
 from models import NanoGPT
 
 BACKENDS = ["torch", "triton"]

@@ -203,7 +203,7 @@ def test_pickled_function_merge_with_a_changed_function_fails_naming_the_site(tm
 
 # ---------------------------------------------------------------------------------------------- branch labels
 def test_branch_labels_nanogpt():
-    from tests.support.models import NanoGPT
+    from benchmarks.models import NanoGPT
 
     model = NanoGPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
     idx = torch.randint(0, 32, (2, 8))

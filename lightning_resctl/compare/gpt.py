@@ -38,7 +38,7 @@ DEFAULT_NORM_EPS = 1e-12
 
 
 class CharGPT(L.LightningModule):
-    """The built-in model of the compare job: :class:`~tests.support.models.NanoGPT` on next-byte
+    """The built-in model of the compare job: :class:`~benchmarks.models.NanoGPT` on next-byte
     prediction.
 
     Loss: ``cross_entropy(logits, y)`` averaged over all tokens, logged as ``train/loss`` (every step) and

@@ -85,7 +85,7 @@ def _placeholder(module: str, name: str) -> type:
 
     def refuse(*args, **kwargs):
         raise ModuleNotFoundError(f"{qualified} is not available: torchvision is not installed (timm was imported "
-                                  "with tests.support.timm_import.import_timm's stand-in, which provides only "
+                                  "with benchmarks.timm_import.import_timm's stand-in, which provides only "
                                   "FrozenBatchNorm2d and InterpolationMode)", name=_ROOT)
 
     return type(name, (), {"__init__": refuse, "__call__": refuse, "__module__": module, "__qualname__": name})
