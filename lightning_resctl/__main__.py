@@ -21,9 +21,27 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 _COMMANDS = ("compare", "summarize")
+
+#: The versions of the stack the test suite runs against, written once (``--version`` prints them beside the
+#: installed ones; docs/install.md quotes them, a test checks it): torch's CPU build, triton's CPU interpreter.
+TESTED_WITH = {"torch": "2.13.0", "lightning": "2.6.6", "transformers": "5.24.0", "triton": "3.9.0"}
+
+
+def _installed(dist: str) -> str:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def stack_versions() -> list[str]:
+    """One line per distribution of :data:`TESTED_WITH`: ``torch 2.13.0+cpu (tested: 2.13.0)``."""
+    width = max(map(len, TESTED_WITH))
+    return [f"{dist:<{width}} {_installed(dist)} (tested: {tested})" for dist, tested in TESTED_WITH.items()]
 
 
 def program_name() -> str:
@@ -47,9 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args[0] == "--version":
         from . import __version__
-        from .versions import describe
 
-        print("\n".join([f"lightning_resctl {__version__}", *describe()]))
+        print("\n".join([f"lightning_resctl {__version__}", *stack_versions()]))
         return 0
     command = args.pop(0)
     if command not in _COMMANDS:

@@ -48,7 +48,7 @@ def test_version_names_the_installed_stack_beside_the_versions_the_suite_runs_ag
     triton as installed (read from the distributions' metadata here) and as tested."""
     from importlib.metadata import version
 
-    from lightning_resctl.versions import TESTED_WITH
+    from lightning_resctl.__main__ import TESTED_WITH
 
     assert entry.main(["--version"]) == 0
     lines = capsys.readouterr().out.splitlines()

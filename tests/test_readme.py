@@ -411,11 +411,11 @@ def test_the_readme_links_and_cites_each_rules_paper_and_citation_cff_lists_the_
 
 
 def test_the_tested_versions_are_quoted_as_written_once():
-    """docs/install.md names the versions of lightning_resctl/versions.py; the README's test command pins that
+    """docs/install.md names the versions of lightning_resctl/__main__.py (TESTED_WITH); the README's test command pins that
     torch; the changelog's policy and the package version agree with pyproject."""
     import tomllib
 
-    from lightning_resctl.versions import TESTED_WITH
+    from lightning_resctl.__main__ import TESTED_WITH
 
     install = " ".join(_text(DOCS / "install.md").split())
     assert all(f"{dist} {version}" in install for dist, version in TESTED_WITH.items()), TESTED_WITH
