@@ -310,7 +310,7 @@ def test_prose_names_existing_modules_and_paths(page):
 FIGURES = re.compile(r"<!-- figures: ([^>]+?) -->\n+((?:[^\n]+\n)+)")
 #: a quoted figure: a decimal (sign allowed; not a percentage and not a goal after <, >, =, ≤, ≥, ~, ≈) or a
 #: duration in seconds (``1295 s``, ``21 min 35 s``)
-_FIGURE = re.compile(r"(?<![\w.<>=≤≥~≈] )(?<![\w.<>=≤≥~≈])([−+-]?\d+\.\d+)(?![\d%])|(?:(\d+) min )?\b(\d+) s\b")
+_FIGURE = re.compile(r"(?<![<>=≤≥~≈] )(?<![\w.<>=≤≥~≈])([−+-]?\d+\.\d+)(?![\d%])|(?:(\d+) min )?\b(\d+) s\b")
 _NUMBER = re.compile(r"[−+-]?\d+(?:\.\d+)?")
 
 
@@ -358,6 +358,7 @@ def test_a_quoted_figure_that_no_results_file_holds_is_caught(tmp_path, monkeypa
             "| rescontroller | 1.092× | 1.13× |\n\nA goal of ≤ 1.08× and 0.12% are not figures of a run.\n")
     assert _unheld_figures(page) == []
     assert _unheld_figures(page.replace("1.092×", "1.051×")) == ["1.051 (not in docs/results/run.txt)"]
+    assert _unheld_figures(page.replace("| 1.13× |", "| measured 1.14× |")) == ["1.14 (not in docs/results/run.txt)"]
     prose = "<!-- figures: docs/results/run.txt -->\nIt took 21 min 35 s; {}, interval [−0.0920, +0.0394].\n"
     assert _unheld_figures(prose.format("−0.0263")) == []
     assert _unheld_figures(prose.format("+0.0263")) == ["+0.0263 (not in docs/results/run.txt)"]
