@@ -1,6 +1,6 @@
 """Command line of lightning_resctl (also installed as the ``lightning-resctl`` script).
 
-usage: python -m lightning_resctl [-h] [--version] COMMAND [flags]
+usage: {prog} [-h] [--version] COMMAND [flags]
 
 commands:
   compare    the main job: train your LightningModule (default: the built-in byte-level GPT) with plain
@@ -8,25 +8,53 @@ commands:
              settings per seed — compare the monitored validation metric seed by seed, check each method's
              start against plain, measure its training-step cost next to plain's, and write summary.md,
              PNG plots and TensorBoard logs. Built on LightningCLI: --model, --data, --trainer.*,
-             --config my.yaml, --print_config. `python -m lightning_resctl compare --help` lists every
-             option; `python -m lightning_resctl compare` runs the quick default (about 10-15 minutes on
-             2 CPU cores).
+             --config my.yaml, --print_config. `{prog} compare --help` lists every option;
+             `{prog} compare` runs the quick default (about 14 minutes on 2 CPU cores).
   summarize  merge the output folders of one compare job (e.g. its shards): summarize OUT [OUT ...]
 
 options:
   -h, --help  show this help and exit
-  --version   print the version and exit
+  --version   print the version, and the installed and tested versions of torch, lightning,
+              transformers and triton, and exit
 """
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 _COMMANDS = ("compare", "summarize")
 
+#: The versions of the stack the test suite runs against, written once (``--version`` prints them beside the
+#: installed ones; docs/install.md quotes them, a test checks it): torch's CPU build, triton's CPU interpreter.
+TESTED_WITH = {"torch": "2.13.0", "lightning": "2.6.6", "transformers": "5.24.0", "triton": "3.9.0"}
+
+
+def _installed(dist: str) -> str:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def stack_versions() -> list[str]:
+    """One line per distribution of :data:`TESTED_WITH`: ``torch 2.13.0+cpu (tested: 2.13.0)``."""
+    width = max(map(len, TESTED_WITH))
+    return [f"{dist:<{width}} {_installed(dist)} (tested: {tested})" for dist, tested in TESTED_WITH.items()]
+
+
+def program_name() -> str:
+    """How this process was started, as help and messages name it: ``python -m lightning_resctl`` or (the installed
+    script, and the default) ``lightning-resctl``."""
+    main_file = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if main_file is not None and main_file.name == "__main__.py" and main_file.parent.name == "lightning_resctl":
+        return "python -m lightning_resctl"
+    return "lightning-resctl"
+
 
 def _help() -> str:
-    return __doc__.split("\n\n", 1)[1].strip()
+    return __doc__.split("\n\n", 1)[1].strip().format(prog=program_name())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,12 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[0] == "--version":
         from . import __version__
 
-        print(f"lightning_resctl {__version__}")
+        print("\n".join([f"lightning_resctl {__version__}", *stack_versions()]))
         return 0
     command = args.pop(0)
     if command not in _COMMANDS:
         print(f"lightning-resctl: unknown command {command!r}; choose from {', '.join(_COMMANDS)} "
-              "(python -m lightning_resctl --help)", file=sys.stderr)
+              f"({program_name()} --help)", file=sys.stderr)
         return 2
     from .compare import cli
 

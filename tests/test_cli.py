@@ -34,17 +34,30 @@ def test_bare_command_prints_help_and_starts_no_job(monkeypatch, capsys):
     monkeypatch.setattr(job, "run_job", lambda *a: pytest.fail("a job was started"))
     assert entry.main([]) == 0
     out = capsys.readouterr().out
-    assert "usage: python -m lightning_resctl" in out and "compare" in out and "summarize" in out
+    assert "usage: lightning-resctl" in out and "compare" in out and "summarize" in out
 
 
 def test_bare_module_in_a_fresh_interpreter_prints_help():
     proc = subprocess.run([sys.executable, "-m", "lightning_resctl"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "usage:" in proc.stdout and "[resctl]" not in proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "[resctl]" not in proc.stdout + proc.stderr
+    assert "usage: python -m lightning_resctl " in proc.stdout  # named as it was run
 
 
-def test_version(capsys):
+def test_version_names_the_installed_stack_beside_the_versions_the_suite_runs_against(capsys):
+    """As ``lightning`` / ``transformers env`` do: the package's version, then torch, lightning, transformers and
+    triton as installed (read from the distributions' metadata here) and as tested."""
+    from importlib.metadata import version
+
+    from lightning_resctl.__main__ import TESTED_WITH
+
     assert entry.main(["--version"]) == 0
-    assert capsys.readouterr().out.strip() == f"lightning_resctl {lightning_resctl.__version__}"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"lightning_resctl {lightning_resctl.__version__}"
+    assert set(TESTED_WITH) == {"torch", "lightning", "transformers", "triton"}
+    for dist, tested in TESTED_WITH.items():
+        line = next((line for line in lines[1:] if line.split()[:1] == [dist]), None)
+        assert line is not None, (dist, lines)
+        assert version(dist) in line.split() and f"(tested: {tested})" in line, line
     assert entry.main(["bogus"]) == 2
 
 
@@ -81,6 +94,30 @@ def test_help_lists_every_compare_option_with_its_default_and_the_examples(capsy
         assert f"default: {'null' if default is None else default}" in text, (name, default)
         assert " ".join(HELP[name].split())[:40] in text, name
     assert "--model my_pkg.MyModule --data my_pkg.MyDataModule" in text and "lightning-resctl summarize" in text
+
+
+def test_help_starts_with_what_a_compare_user_needs(capsys):
+    """A short usage line, then what the job does, the examples and the method names, then the compare options,
+    and only after them the Trainer's, the model's and the data's (hundreds of lines)."""
+    with pytest.raises(SystemExit):
+        _parse("--help")
+    lines = capsys.readouterr().out.splitlines()
+    first_trainer = next(i for i, line in enumerate(lines) if line.lstrip().startswith("--trainer."))
+    head = "\n".join(lines[:first_trainer])
+    assert lines[0].startswith("usage: lightning-resctl compare ") and not lines[1].startswith(" " * 10), lines[:3]
+    assert "examples:" in head and "method names: plain," in head and "--compare.methods" in head
+    assert head.index("examples:") < head.index("--compare.methods") and first_trainer < 120
+
+
+def test_help_names_the_program_as_it_was_run(monkeypatch, capsys):
+    """``python -m lightning_resctl`` runs ``lightning_resctl/__main__.py`` as ``sys.argv[0]``."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "lightning_resctl" / "__main__.py"), "compare", "--help"])
+    with pytest.raises(SystemExit):
+        _parse("--help")
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m lightning_resctl compare ")
+    assert "  python -m lightning_resctl compare --config my.yaml" in out
+    assert entry.main([]) == 0 and "usage: python -m lightning_resctl [-h]" in capsys.readouterr().out
 
 
 def test_a_user_model_from_yaml_keeps_its_own_init_arguments(tmp_path):

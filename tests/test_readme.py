@@ -1,12 +1,16 @@
 """The README and the docs/ pages: every ```python block of a page runs as written, in order, in one fresh
 interpreter (after the blocks of the page it names in ``<!-- test: runs after PAGE -->``), printing what its
-comments say; the commands of the ```bash blocks name existing flags and files; every relative link points to an
-existing file and heading; every module, name and path the prose names exists; the README stays a front page."""
+comments say, and each block also runs on its own unless its first line says it continues another
+(``# (continues ...)``); the commands of the ```bash blocks name existing flags and files; every relative link
+points to an existing file and heading; every module, name and path the prose names exists; the figures a page
+quotes from a results file (``<!-- figures: docs/results/FILE -->`` before the paragraph or table) are in that
+file; the README stays a front page."""
 from __future__ import annotations
 
 import importlib
 import os
 import re
+from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
 import shlex
 import subprocess
 import sys
@@ -27,7 +31,9 @@ ALL_MD = [README, *sorted(DOCS.rglob("*.md"))]
 
 #: what a page's blocks print, as their comments say (each an output line; checked after the page's own marker)
 PRINTS = {
-    "README.md": ["torch.Size([2, 10, 64])", "['resctl/alpha_mean/00', 'resctl/alpha_mean/02']"],
+    "README.md": ["patched 4 residual merges (mgr-competitive, n=4) · added 197 parameters (0.55% of 35.7 k) · full "
+                  "report: lightning_resctl.get_patch_report(model)",
+                  "torch.Size([2, 10, 64])", "['resctl/alpha_mean/00', 'resctl/alpha_mean/02']"],
     "docs/lightning.md": ["True"],
     "docs/fabric.md": ["4 4"],
     "docs/transformers.md": ["True"],
@@ -84,20 +90,53 @@ def test_every_page_that_prints_has_python_blocks():
 
 @pytest.mark.parametrize("page", PYTHON_PAGES, ids=_name)
 def test_python_blocks_run_in_order_in_one_fresh_interpreter(page, tmp_path):
-    parts = []
+    parts = ["import sys"]
     for p in [*_runs_after(page), page]:
-        parts.append(f"print({_name(p)!r} + ' ---')")
+        parts.append(f"print({_name(p)!r} + ' ---'); print({_name(p)!r} + ' ---', file=sys.stderr)")
         parts += [f"# --- {_name(p)} python block {i} ---\n{b}" for i, b in enumerate(_blocks(p, "python"))]
-    (tmp_path / "page_blocks.py").write_text("\n\n".join(parts))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "page_blocks.py"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = _run_script("\n\n".join(parts), tmp_path)
     assert proc.returncode == 0, f"{_name(page)}'s python blocks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    own = proc.stdout.split(f"{_name(page)} ---\n", 1)[1]
+    own = "\n".join(out.split(f"{_name(page)} ---\n", 1)[1] for out in (proc.stdout, proc.stderr))
     lines = {line.strip() for line in re.split(r"[\r\n]", own)}
     for expected in PRINTS.get(_name(page), []):
         assert expected in lines, f"{_name(page)}: no output line {expected!r}:\n{own[-3000:]}"
+
+
+def _run_script(text: str, cwd: Path) -> subprocess.CompletedProcess:
+    (cwd / "page_blocks.py").write_text(text)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "page_blocks.py"], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
+#: the first line of a block that uses the names of the blocks before it (it is run only in its page's sequence)
+CONTINUES = re.compile(r"# \(continues [^)\n]+\)\n")
+
+
+def _alone(page: Path) -> list[int]:
+    """The blocks of ``page`` that must run on their own: all but those that say they continue another (and the
+    first block of a page that runs after no other, which the in-order run already runs on its own)."""
+    blocks = _blocks(page, "python")
+    first = 0 if _runs_after(page) else 1
+    return [i for i, b in enumerate(blocks) if i >= first and not CONTINUES.match(b)]
+
+
+@pytest.mark.parametrize("page", [p for p in PYTHON_PAGES if _alone(p)], ids=_name)
+def test_python_blocks_run_on_their_own(page, tmp_path):
+    """A reader copies one block: it imports and defines what it uses. Each block runs as a script of its own, in a
+    namespace of its own (one interpreter per page: modules an earlier block imported stay imported, which a
+    missing import or name still shows)."""
+    blocks = _blocks(page, "python")
+    lines = ["import runpy, sys, traceback", "failed = []"]
+    for i in _alone(page):
+        (tmp_path / f"block_{i}.py").write_text(blocks[i])  # a file: the surgery reads the source of what it patches
+        lines += [f"try:\n    runpy.run_path('block_{i}.py', run_name='__main__')",
+                  f"except Exception:\n    failed.append({i}); traceback.print_exc()"]
+    lines.append("sys.exit(f'blocks that fail on their own: {failed}' if failed else 0)")
+    proc = _run_script("\n".join(lines), tmp_path)
+    assert proc.returncode == 0, (f"{_name(page)}: a python block fails on its own (start it with the imports and "
+                                  f"names it uses, or with `# (continues ...)`):\n{proc.stderr[-6000:]}")
 
 
 def _commands(page: Path) -> list[list[str]]:
@@ -265,3 +304,124 @@ def test_prose_names_existing_modules_and_paths(page):
             if not dest.exists():
                 bad.append(path)
     assert not bad, f"{_name(page)} names what does not exist: {sorted(set(bad))}"
+
+
+#: a paragraph or table whose figures come from results files: ``<!-- figures: docs/results/A[, docs/results/B] -->``
+FIGURES = re.compile(r"<!-- figures: ([^>]+?) -->\n+((?:[^\n]+\n)+)")
+#: a quoted figure: a decimal (sign allowed; not a percentage and not a goal after <, >, =, ≤, ≥, ~, ≈) or a
+#: duration in seconds (``1295 s``, ``21 min 35 s``)
+_FIGURE = re.compile(r"(?<![<>=≤≥~≈] )(?<![\w.<>=≤≥~≈])([−+-]?\d+\.\d+)(?![\d%])|(?:(\d+) min )?\b(\d+) s\b")
+_NUMBER = re.compile(r"[−+-]?\d+(?:\.\d+)?")
+
+
+def _figures(text: str) -> list[str]:
+    """The figures quoted in ``text``, as decimal strings (durations in seconds)."""
+    out = []
+    for decimal, minutes, seconds in _FIGURE.findall(text):
+        out.append(decimal.replace("−", "-") if decimal else str(60 * int(minutes or 0) + int(seconds)))
+    return out
+
+
+def _held(figure: str, numbers: set[str]) -> bool:
+    """Whether a number of a results file, rounded to the figure's decimals (half up or half even), is ``figure``."""
+    quoted = Decimal(figure.lstrip("+"))
+    step = Decimal(1).scaleb(quoted.as_tuple().exponent)
+    for n in numbers:
+        value = Decimal(n.replace("−", "-").lstrip("+"))
+        if value.as_tuple().exponent <= quoted.as_tuple().exponent and any(
+                value.quantize(step, rounding=r) == quoted for r in (ROUND_HALF_UP, ROUND_HALF_EVEN)):
+            return True
+    return False
+
+
+def _unheld_figures(text: str) -> list[str]:
+    """``'FIGURE (not in FILES)'`` for each figure of a marked paragraph of ``text`` that its results files lack."""
+    bad = []
+    for sources, block in FIGURES.findall(text):
+        files = [ROOT / name.strip() for name in sources.split(",")]
+        missing = [f.relative_to(ROOT).as_posix() for f in files if not f.is_file()]
+        if missing:
+            bad.append(f"no results file {missing}")
+            continue
+        numbers = {n for f in files for n in _NUMBER.findall(f.read_text(encoding="utf-8"))}
+        bad += [f"{fig} (not in {sources.strip()})" for fig in _figures(block) if not _held(fig, numbers)]
+    return bad
+
+
+def test_a_quoted_figure_that_no_results_file_holds_is_caught(tmp_path, monkeypatch):
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    (results / "run.txt").write_text("rescontroller 1.092 1.129\nplain 176.7 ms\nloss -0.0263 [-0.0920, +0.0394]\n"
+                                     "Total wall time: 1295 s.\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    page = ("<!-- figures: docs/results/run.txt -->\n\n| rule | step | saved |\n|---|---|---|\n"
+            "| rescontroller | 1.092× | 1.13× |\n\nA goal of ≤ 1.08× and 0.12% are not figures of a run.\n")
+    assert _unheld_figures(page) == []
+    assert _unheld_figures(page.replace("1.092×", "1.051×")) == ["1.051 (not in docs/results/run.txt)"]
+    assert _unheld_figures(page.replace("| 1.13× |", "| measured 1.14× |")) == ["1.14 (not in docs/results/run.txt)"]
+    prose = "<!-- figures: docs/results/run.txt -->\nIt took 21 min 35 s; {}, interval [−0.0920, +0.0394].\n"
+    assert _unheld_figures(prose.format("−0.0263")) == []
+    assert _unheld_figures(prose.format("+0.0263")) == ["+0.0263 (not in docs/results/run.txt)"]
+    assert _unheld_figures(prose.replace("21 min 35 s", "21 min 41 s").format("−0.0263")) == [
+        "1301 (not in docs/results/run.txt)"]
+    assert _unheld_figures("<!-- figures: docs/results/gone.txt -->\n1.0\n") == [
+        "no results file ['docs/results/gone.txt']"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_quoted_figures_are_in_the_results_files_they_come_from(page):
+    assert not _unheld_figures(_text(page)), f"{_name(page)}: {_unheld_figures(_text(page))}"
+
+
+def test_the_pages_that_quote_results_say_where_from():
+    """The front page's tables, the paper-set results, the peers' and the scaling benchmarks are marked (a marker
+    dropped in an edit would let their figures drift from the results files)."""
+    marked = {(_name(p), src.strip()) for p in PAGES for srcs, _ in FIGURES.findall(_text(p)) for src in srcs.split(",")}
+    for page, source in [("README.md", "docs/results/paper/summary.md"), ("README.md", "docs/results/bench_peers_cpu.txt"),
+                         ("docs/compare.md", "docs/results/paper/summary.md"),
+                         ("docs/benchmarks.md", "docs/results/bench_peers_cpu.txt"),
+                         ("docs/benchmarks.md", "docs/results/bench_scaling_cpu.md"),
+                         ("docs/rules/mgr.md", "docs/results/bench_scaling_cpu.md")]:
+        assert (page, source) in marked, (page, source)
+
+
+def test_the_rescontroller_page_names_every_backend_the_rule_accepts():
+    from lightning_resctl.runtime.backends import RULE_BACKENDS
+
+    section = _text(DOCS / "rules" / "rescontroller.md").split("## Execution paths", 1)[1].split("\n## ", 1)[0]
+    assert not [b for b in RULE_BACKENDS if f'`"{b}"`' not in section]
+
+
+#: the papers the rules implement (arXiv ids): the README links and cites them, CITATION.cff lists them
+PAPERS = {"2605.23259", "2603.15031", "2409.19606", "2512.24880", "2601.05732"}
+
+
+def test_the_readme_links_and_cites_each_rules_paper_and_citation_cff_lists_the_same():
+    import yaml
+
+    import lightning_resctl
+
+    readme = _text(README)
+    assert set(re.findall(r"\(https://arxiv\.org/abs/([\d.]+)\)", _prose(readme))) == PAPERS  # linked
+    bibtex = "".join(body for tag, body in _fences(readme) if tag == "bibtex")
+    assert set(re.findall(r"eprint = \{([\d.]+)\}", bibtex)) == PAPERS  # cited
+    cff = yaml.safe_load((ROOT / "CITATION.cff").read_text(encoding="utf-8"))
+    assert cff["version"] == lightning_resctl.__version__ and cff["license"] == "Apache-2.0"
+    assert {ref["doi"].removeprefix("10.48550/arXiv.") for ref in cff["references"]} == PAPERS
+    assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0, January 2004" in (ROOT / "LICENSE").read_text()
+
+
+def test_the_tested_versions_are_quoted_as_written_once():
+    """docs/install.md names the versions of lightning_resctl/__main__.py (TESTED_WITH); the README's test command pins that
+    torch; the changelog's policy and the package version agree with pyproject."""
+    import tomllib
+
+    from lightning_resctl.__main__ import TESTED_WITH
+
+    install = " ".join(_text(DOCS / "install.md").split())
+    assert all(f"{dist} {version}" in install for dist, version in TESTED_WITH.items()), TESTED_WITH
+    assert f"torch=={TESTED_WITH['torch']}" in CI_LINE
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "lightning_resctl.__version__"}
+    assert "## Version policy" in _text(ROOT / "CHANGELOG.md")

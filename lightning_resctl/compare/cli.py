@@ -27,9 +27,7 @@ from .methods import PRESETS, available_methods
 from .options import HELP, CompareOptions
 from .preemption import JobStopped
 
-__all__ = ["CompareCLI", "main", "summarize_main", "resume_command", "TRAINER_DEFAULTS", "PROG"]
-
-PROG = "lightning-resctl compare"
+__all__ = ["CompareCLI", "main", "summarize_main", "resume_command", "TRAINER_DEFAULTS"]
 
 #: Trainer settings of the command line unless given (the quick default of the built-in model: 160 steps,
 #: validation every 10 steps on 3 batches, one device).
@@ -39,22 +37,36 @@ TRAINER_DEFAULTS = {"max_steps": 160, "val_check_interval": 10, "check_val_every
 DEFAULT_MODEL = "lightning_resctl.compare.gpt.CharGPT"
 DEFAULT_DATA = "lightning_resctl.compare.data.CharDataModule"
 
-_DESCRIPTION = textwrap.fill(
-    "Train your LightningModule (default: the built-in byte-level GPT) with plain residuals and with each merge "
-    "rule: same initial weights, data order, optimizer and Trainer settings per seed. Compare the monitored "
-    "validation metric seed by seed, check how far each method starts from plain, measure each method's training "
-    "step next to plain's, and write summary.md, PNG plots and TensorBoard logs into --out. model/data/trainer "
-    "take the same arguments and YAML (class_path / init_args) as your own LightningCLI.")
-_EPILOG = f"""examples:
-  {PROG}                                   # the quick default: built-in GPT, 4 methods, 2 seeds
-  {PROG} --model my_pkg.MyModule --data my_pkg.MyDataModule --trainer.max_steps 2000 \\
+_USAGE = ("{prog} [--model CLASS] [--data CLASS] [--config YAML] [--methods M1,M2,...] [--preset NAME]\n"
+          "       [--seeds N] [--out DIR] [--trainer.FLAG VALUE ...] [--model.ARG VALUE ...] [--print_config]")
+
+
+def _description(prog: str) -> str:
+    """What ``--help`` prints before the options: what the job does, examples, the method names, what follows."""
+    what = textwrap.fill(
+        "Train your LightningModule (default: the built-in byte-level GPT) with plain residuals and with each merge "
+        "rule: same initial weights, data order, optimizer and Trainer settings per seed. Compare the monitored "
+        "validation metric seed by seed, check how far each method starts from plain, measure each method's "
+        "training step next to plain's, and write summary.md, PNG plots and TensorBoard logs into --out. "
+        "model/data/trainer take the same arguments and YAML (class_path / init_args) as your own LightningCLI.")
+    presets = "; ".join(f"{k} = {','.join(v)}" for k, v in PRESETS.items())
+    return f"""{what}
+
+examples:
+  {prog}                                   # the quick default: built-in GPT, 4 methods, 2 seeds
+  {prog} --model my_pkg.MyModule --data my_pkg.MyDataModule --trainer.max_steps 2000 \\
       --methods plain,mgr-competitive,rescontroller --seeds 3
-  {PROG} --config my.yaml                  # model:, data:, trainer: and a compare: section
-  {PROG} --config my.yaml --print_config   # the whole configuration, defaults included
-  {PROG} --preset paper --seeds 3 --model.n_layer 8 --trainer.max_steps 200
-  {PROG} --config my.yaml --resume         # continue a killed job
-  {PROG} --config my.yaml --shard 1/2 --out runs/s1   # then: lightning-resctl summarize runs/s1 runs/s2
-method names: {', '.join(available_methods())}; presets: {'; '.join(f'{k} = {",".join(v)}' for k, v in PRESETS.items())}"""
+  {prog} --config my.yaml                  # model:, data:, trainer: and a compare: section
+  {prog} --config my.yaml --print_config   # the whole configuration, defaults included
+  {prog} --preset paper --seeds 3 --model.n_layer 8 --trainer.max_steps 200
+  {prog} --config my.yaml --resume         # continue a killed job
+  {prog} --config my.yaml --shard 1/2 --out runs/s1   # then: lightning-resctl summarize runs/s1 runs/s2
+
+method names: {', '.join(available_methods())}
+presets: {presets}
+
+Below: the compare options (also a compare: section of --config), then --trainer.* (Lightning's Trainer
+arguments), --model.* and --data.* (your classes' __init__ arguments)."""
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
@@ -99,7 +111,8 @@ class CompareCLI(LightningCLI):
             model_class=LightningModule, datamodule_class=None, subclass_mode_model=True,
             subclass_mode_data=True, trainer_defaults=TRAINER_DEFAULTS, seed_everything_default=False,
             save_config_callback=None, auto_configure_optimizers=False, run=False, args=args,
-            parser_kwargs={"prog": PROG, "description": _DESCRIPTION, "epilog": _EPILOG, "default_env": False,
+            parser_kwargs={"prog": _program(), "usage": _USAGE.format(prog=_program()),
+                           "description": _description(_program()), "default_env": False,
                            "formatter_class": _HelpFormatter})
 
     # ------------------------------------------------------------------ parser
@@ -177,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         job.run_job(inputs, opts)
     except (OutputExistsError, JobMismatchError) as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
+        print(f"{_program()}: error: {err}", file=sys.stderr)
         return 2
     except JobStopped as stopped:
         return stopped.code
@@ -187,14 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _program() -> str:
     """How this process was started: ``python -m lightning_resctl compare``, ``python -m lightning_resctl.compare``
     or (the installed script, and the default) ``lightning-resctl compare``."""
+    from ..__main__ import program_name
+
     main_file = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    if main_file is not None and main_file.name == "__main__.py":
-        package = main_file.parent
-        if package.name == "lightning_resctl":
-            return "python -m lightning_resctl compare"
-        if package.name == "compare" and package.parent.name == "lightning_resctl":
-            return "python -m lightning_resctl.compare"
-    return PROG
+    if main_file is not None and main_file.name == "__main__.py" and main_file.parent.name == "compare":
+        return "python -m lightning_resctl.compare"
+    return f"{program_name()} compare"
 
 
 def resume_command(args: Sequence[str], opts: CompareOptions) -> str:

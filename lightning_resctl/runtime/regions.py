@@ -226,10 +226,9 @@ class CompiledRegion:
                 return entry
             if not self._room():
                 return None
-            _notice("compile", f"lightning_resctl: compiling {self.__name__} (and the other merge math) with "
-                               "inductor before the call returns; the first compile in a process takes seconds, "
-                               "more with a cold cache (backend='torch-eager' or LIGHTNING_RESCTL_COMPILE=0 "
-                               "skips compiling)")
+            _notice("compile", "lightning_resctl: compiling the merge rule's math with inductor before the first "
+                               "step continues; the first compile in a process takes seconds, more with a cold "
+                               "cache (backend='torch-eager' or LIGHTNING_RESCTL_COMPILE=0 skips compiling)")
             t0 = time.perf_counter()
             try:
                 graph, examples, text, out_spec = trace_region(self.fn, args, tensors)
@@ -265,8 +264,8 @@ class CompiledRegion:
             if key in self.pending or not self._room():
                 return
             compiler = _background_compiler_for(self.fn, tensors)
-            _notice("background", f"lightning_resctl: compiling {self.__name__} (and the other merge math) in a "
-                                  "background process; the merges run eagerly until it is ready")
+            _notice("background", "lightning_resctl: compiling the merge rule's math in a background process; "
+                                  "the first steps run it eagerly (same results, slower) until it is ready")
             self.pending[key] = compiler.submit(self.fn, args, sig[1])
 
     def _collect(self, sig, tensors, wait: bool):
