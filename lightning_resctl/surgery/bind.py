@@ -25,7 +25,7 @@ from torch import nn
 from .observe import Observation
 from .plan import CONTAINERS, Plan, branch_kind, chain_dim, parallel_block, site_key, source_line
 from .report import ChainInfo, PatchReport
-from .sites import ChainEnd, ChainRun, ChainStart, MergeSite, ParallelPart, ParallelRun
+from .sites import ChainEnd, ChainRun, ChainStart, MergeSite, ParallelPart, ParallelRun, mark_rule_module
 
 __all__ = ["bind", "Binding", "BoundMerge", "PatchState"]
 
@@ -87,7 +87,7 @@ def bind(model: nn.Module, plan: Plan, rule, report: PatchReport, obs: Observati
                  for key, group in plan.groups.items() if not group[0].is_partial}
     is_chain = rule.kind == "chain"
 
-    chain_modules, chains = _chain_modules(model, plan, rule, dims, state) if is_chain else (
+    chain_slots, chains = _chain_modules(model, plan, rule, dims, state) if is_chain else (
         [None] * len(plan.chains),
         [ChainInfo(ci, len(chain), chain[0].shapes[0], dims[ci]) for ci, chain in enumerate(plan.chains)])
     runs, eval_positions = ({}, {}) if not is_chain else _chain_runs(model, plan, obs, other, chain_index, positions,
@@ -107,7 +107,7 @@ def bind(model: nn.Module, plan: Plan, rule, report: PatchReport, obs: Observati
         site = MergeSite(
             rule, path=plan.paths[id(ev0.owner)], location=ev0.location, source_line=source_line(ev0),
             stream_shape=ev0.shapes[0], chain=ci, positions=positions[key], dim=dims[ci], inplace=_inplace(ev0),
-            merge=None if is_chain else rule.build_merge(dims[ci]), chain_module=chain_modules[ci],
+            merge=None if is_chain else rule.build_merge(dims[ci]), chain_slot=chain_slots[ci],
             run=runs.get(ci), mode_positions=mode_positions, parallel=parallel.get(key),
             stream_first=ev0.stream_operand == 0, branch=branch_kind(ev0),
             function=ev0.function_name if ev0.calls else "", called_at=ev0.call_location)
@@ -150,8 +150,9 @@ def _inplace(ev) -> Optional[str]:
 
 def _chain_modules(model: nn.Module, plan: Plan, rule, dims: list, state: PatchState) -> tuple:
     """Chain rules: one chain module per chain, on the device and dtype of the chain's first module, registered on
-    the chain's owner (:func:`_chain_owner`); returns them and the chains' report entries."""
-    modules, infos = [], []
+    the chain's owner (:func:`_chain_owner`); returns where each is registered (``(owner, attribute)``, what the
+    sites read it from) and the chains' report entries."""
+    slots, infos = [], []
     for ci, chain in enumerate(plan.chains):
         d = dims[ci]
         mod = rule.build_chain(chain[0].shapes[0][d], len(chain))
@@ -166,13 +167,13 @@ def _chain_modules(model: nn.Module, plan: Plan, rule, dims: list, state: PatchS
             n += 1
         attr = f"{rule.chain_attr}{n}"
         mod.train(owner.training)  # new modules follow the mode of the module they are added to
-        owner.add_module(attr, mod)
+        owner.add_module(attr, mark_rule_module(mod))
         state.added.append((owner, attr))
-        modules.append(mod)
+        slots.append((owner, attr))
         infos.append(ChainInfo(ci, len(chain), chain[0].shapes[0], d,
                                owner=(owner_path + "." if owner_path else "") + attr, module=mod,
                                note=getattr(mod, "init_note", None)))
-    return modules, infos
+    return slots, infos
 
 
 def _chain_runs(model: nn.Module, plan: Plan, obs: Observation, other: Optional[Observation], chain_index: dict,
