@@ -7,10 +7,10 @@ Every object is built complete, in dependency order, and never edited afterwards
 2. the chain runs (chain rules: the merges each chain expects per mode, the reset/check hooks on its scope);
 3. the parallel runs (one per parallel block written as several additions);
 4. the sites — :class:`MergeSite` per merge expression with its rule, chain module, run, positions per mode,
-   parallel run, branch label and free-function provenance — and the :class:`ParallelPart` of each earlier
-   addition of a parallel block;
-5. the patched modules: sites registered, classes swapped to their patched subclasses, native fast paths that
-   would skip the rewritten lines turned off.
+   parallel run, branch label, free-function provenance and the tally of its module (:mod:`.tally`) — and the
+   :class:`ParallelPart` of each earlier addition of a parallel block;
+5. the patched modules: sites registered, classes swapped to their patched subclasses, the tallies' hooks
+   (every observed merge ran in each call), native fast paths that would skip the rewritten lines turned off.
 
 :func:`bind` returns a :class:`Binding`: the :class:`PatchState` that :func:`unpatch_residuals` undoes, and what
 :func:`~lightning_resctl.surgery.report.describe` reports.
@@ -25,6 +25,7 @@ from torch import nn
 from .observe import Observation
 from .plan import CONTAINERS, Plan, branch_kind, chain_dim, parallel_block, site_key, source_line
 from .report import ChainInfo, PatchReport
+from .tally import hook_tallies, site_tallies
 from .sites import ChainEnd, ChainRun, ChainStart, MergeSite, ParallelPart, ParallelRun, mark_rule_module
 
 __all__ = ["bind", "Binding", "BoundMerge", "PatchState"]
@@ -97,6 +98,8 @@ def bind(model: nn.Module, plan: Plan, rule, report: PatchReport, obs: Observati
         if group[0].is_partial:
             parallel.setdefault(site_key(parallel_block(group[0], obs.events)[-1]), ParallelRun())
 
+    tallies = site_tallies(plan, obs, other)
+    tally_of = {key: (tally, bit) for _, tally, bits in tallies.values() for key, bit in bits.items()}
     sites: dict = {}
     for key, group in plan.groups.items():
         ev0 = group[0]
@@ -110,7 +113,7 @@ def bind(model: nn.Module, plan: Plan, rule, report: PatchReport, obs: Observati
             merge=None if is_chain else rule.build_merge(dims[ci]), chain_slot=chain_slots[ci],
             run=runs.get(ci), mode_positions=mode_positions, parallel=parallel.get(key),
             stream_first=ev0.stream_operand == 0, branch=branch_kind(ev0),
-            function=ev0.function_name if ev0.calls else "", called_at=ev0.call_location)
+            function=ev0.function_name if ev0.calls else "", called_at=ev0.call_location, tally=tally_of[key])
         sites[key] = site.train(ev0.owner.training)  # new modules follow the mode of the module they are added to
     # each addition of a parallel block before the last is a ParallelPart feeding the last one's site
     parts: dict = {}
@@ -132,6 +135,7 @@ def bind(model: nn.Module, plan: Plan, rule, report: PatchReport, obs: Observati
             names.append(attr)
         owner.__class__ = plan.rewritten[oid]
         state.owners.append((owner, cls, names))
+    hook_tallies(tallies, state.hooks)
     _turn_off_native_fast_paths(model, state)
 
     merges = [BoundMerge(sites[site_key(ev)], chain_index[ev.index], position_of[ev.index], ev.stream_operand == 0,

@@ -45,7 +45,16 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..rules.base import branches_sum
 
-__all__ = ["MergeSite", "ChainRun", "ChainEntry", "ParallelRun", "ParallelPart", "mark_rule_module", "running_module"]
+__all__ = ["MergeSite", "ChainRun", "ChainEntry", "ParallelRun", "ParallelPart", "mark_rule_module", "running_module",
+           "SWITCHED_LINES"]
+
+#: The likely cause and the fix, in every message about observed merges that did not run.
+SWITCHED_LINES = (
+    "Likely cause: a flag switched which lines the model runs after it was patched (e.g. activation checkpointing "
+    "or another config flag turned on after patch_residuals or after the callback patched it); set such flags "
+    "before patching, or patch again: unpatch_residuals(model), then patch_residuals(...). A data-dependent skip of "
+    "merges inside a module is not supported (layer drop that skips whole blocks is, with a per-merge rule such "
+    "as method='rescontroller')")
 
 
 class ChainEntry(NamedTuple):
@@ -160,9 +169,7 @@ class ChainRun:
             raise RuntimeError(
                 f"merge {k} of residual chain {self.index} (site {where}) ran where merge {want} "
                 f"({self.site(want)}) was expected next in {mode} mode: the merges between did not run in this "
-                "forward. A stream-carrying rule needs the same merges in every forward of one mode (a "
-                "data-dependent skip is not supported); use a per-merge rule (e.g. method='rescontroller') for "
-                "this model")
+                f"forward. A stream-carrying rule needs the same merges in every forward of one mode. {SWITCHED_LINES}")
 
     def site(self, k: int) -> str:
         """Where merge ``k`` is (``"module path: file:line"``), for messages."""
@@ -210,15 +217,13 @@ class ChainEnd:
                 f"{'training' if module.training else 'eval'} mode (the first: {run.site(expected[0])}) in this "
                 f"forward of {type(module).__name__}: the chain's output was never produced, and the model's "
                 "additions did not go through the rule. A stream-carrying rule needs the same merges in every "
-                "forward of one mode (a data-dependent skip, or code that bypasses the patched lines, is not "
-                "supported); use a per-merge rule (e.g. method='rescontroller') for this model")
+                f"forward of one mode. {SWITCHED_LINES}")
         if unfinished and output is not None:
             raise RuntimeError(
                 f"residual chain {run.index} stopped after merge {last} (site {where}) of {run.num_merges}: the "
                 f"merges that were observed to follow it in {'training' if module.training else 'eval'} mode did "
                 "not run in this forward, so the chain's output was never produced. A stream-carrying rule needs "
-                "the same merges in every forward of one mode (a data-dependent number of merges is not supported); "
-                "use a per-merge rule (e.g. method='rescontroller') for this model")
+                f"the same merges in every forward of one mode. {SWITCHED_LINES}")
 
 
 class ParallelRun:
@@ -319,7 +324,8 @@ class MergeSite(nn.Module):
                  inplace: Optional[str] = None, merge: Optional[nn.Module] = None,
                  chain_slot: Optional[tuple] = None, run: Optional[ChainRun] = None,
                  mode_positions: Optional[dict] = None, parallel: Optional[ParallelRun] = None,
-                 stream_first: bool = True, branch: str = "", function: str = "", called_at: str = ""):
+                 stream_first: bool = True, branch: str = "", function: str = "", called_at: str = "",
+                 tally: Optional[tuple] = None):
         """``rule`` the configured merge rule; ``path``, ``location``, ``source_line`` where the addition is;
         ``stream_shape``, ``chain``, ``positions`` (one per run of the expression in a forward), ``dim``, ``inplace``
         (the operand an in-place addition writes), ``stream_first`` (the model writes ``stream + update``; False:
@@ -329,7 +335,8 @@ class MergeSite(nn.Module):
         ``{"train": positions, "eval": the positions that run in eval}``; ``parallel``: the :class:`ParallelRun`
         when the site is the last addition of a parallel block. ``branch`` (e.g. "attn", "mlp"), ``function`` (the
         free function holding the addition, "" in the module's own method) and ``called_at`` (the call in the
-        method reaching it) describe the site."""
+        method reaching it) describe the site. ``tally``: ``(SiteTally, bit)``, where the site marks that it ran in
+        its module's current call (:mod:`.tally`)."""
         super().__init__()
         if inplace not in (None, "stream", "update"):
             raise ValueError(f"inplace must be None, 'stream' or 'update', got {inplace!r}")
@@ -358,6 +365,7 @@ class MergeSite(nn.Module):
         self.__dict__["_chain_slot"] = chain_slot
         self.__dict__["_run"] = run
         self.__dict__["_parallel"] = parallel   # a ParallelRun when this is the last addition of a parallel block
+        self.__dict__["_tally"], self._tally_bit = tally if tally is not None else (None, 0)
         if rule.kind == "chain" and (chain_slot is None or run is None):
             raise ValueError(f"method={rule.name!r} is a chain rule: the site needs chain_slot and run")
 
@@ -428,6 +436,9 @@ class MergeSite(nn.Module):
         The last addition of a parallel block (``return mlp_out + x`` after ``x = attn_out + x``) merges the
         block's input with the sum of the branches (``attn_out + mlp_out``): ``stream`` is then the partial
         sum its :class:`ParallelPart` computed."""
+        tally = self._tally
+        if tally is not None:
+            tally.ran |= 1 << self._tally_bit
         if self._parallel is not None:
             return self._merge_parallel(stream, update)
         if self.inplace is None or self.rule.merges_in_place:
