@@ -12,7 +12,7 @@ from lightning_resctl import merge_rules, patch_residuals, unpatch_residuals
 from lightning_resctl.rules import get_merge_rule
 
 C = 8
-METHODS = [m for m in merge_rules() if m not in ("add",)]
+METHODS = list(merge_rules())
 
 
 class Branch(nn.Module):
