@@ -66,3 +66,8 @@ __all__ = ["triton_available", "rescontroller", "compare", "__version__", *_EXPO
 
 
 __getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)
+
+# transformers' Auto classes load patched models' folders (their config.json names the type "lightning_resctl")
+from .surgery.hf_auto import register_when_transformers_loads as _register_when_transformers_loads  # noqa: E402
+
+_register_when_transformers_loads()

@@ -88,10 +88,12 @@ def test_save_pretrained_records_the_patch_in_config_json(tmp_path):
     assert note["method"] == "mgr-competitive"
     assert note["options"]["streams"] == 2
     assert note["merges"] == 4
+    assert note["base_model_type"] == "gpt2"
     assert "lightning_resctl.from_pretrained(AutoModelForCausalLM" in note["load_with"]
     unpatch_residuals(model)  # the note goes with the patch
     model.save_pretrained(tmp_path / "plain")
-    assert "lightning_resctl" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+    plain = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert "lightning_resctl" not in plain and plain["model_type"] == "gpt2"
 
 
 def test_unpatched_folder_loads_unpatched(tmp_path):
@@ -103,23 +105,108 @@ def test_unpatched_folder_loads_unpatched(tmp_path):
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
 
 
-def test_plain_auto_load_of_a_patched_folder_is_the_unpatched_network(tmp_path):
-    """What the docs warn about: transformers alone builds the unpatched class (another network); the folder's
-    config says how to load it."""
+AUTO_CASES = [("gpt2", _gpt2, "rescontroller", {}), ("gpt2", _gpt2, "mgr-competitive", {"streams": 2}),
+              ("llama", _llama, "hc", {})]
+
+
+@pytest.mark.parametrize("name,make,method,options", AUTO_CASES, ids=[f"{c[0]}-{c[2]}" for c in AUTO_CASES])
+def test_auto_classes_load_a_patched_folder_as_the_patched_network(tmp_path, name, make, method, options):
+    """``import lightning_resctl`` (above) registers the folder's model type: the Auto classes, as the
+    lm-evaluation-harness, scripts and pipelines call them, build the patched, trained network."""
+    model = _trained(make(), method, **options)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "lightning_resctl"
+    assert model.config.model_type == name           # in memory the config is the model's own
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is type(model) and get_patch_report(loaded).method == method
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+    assert loaded.config.model_type == name
+    assert transformers.AutoConfig.from_pretrained(tmp_path).model_type == "lightning_resctl"
+
+
+_LOAD_IN_A_FRESH_PROCESS = """
+import sys, torch
+if sys.argv[4] == "aware":
+    import lightning_resctl          # before transformers: registers once transformers' Auto classes load
+from transformers import AutoModelForCausalLM
+try:
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+except ValueError as err:
+    print("REFUSED", err)
+    sys.exit(0)
+sites = [n for n, _ in model.named_modules() if "_resctl_site" in n]
+with torch.no_grad():
+    print("LOADED", len(sites), float((model(torch.load(sys.argv[2])).logits - torch.load(sys.argv[3])).abs().max()))
+"""
+
+
+def test_a_loader_that_does_not_know_the_patch_fails_loudly_and_an_aware_one_builds_it(tmp_path):
+    """Fresh processes. transformers alone: the folder's model type is unknown, so ``AutoModelForCausalLM
+    .from_pretrained`` raises (naming it) instead of building the unpatched network. ``import lightning_resctl``
+    first, transformers after: the same call builds the patched network (the logits of the trained model)."""
+    import subprocess
+    import sys
+
+    model = _trained(_gpt2(), "mgr-competitive", streams=2)
+    model.save_pretrained(tmp_path / "m")
+    torch.save(IDS, tmp_path / "ids.pt")
+    with torch.no_grad():
+        torch.save(model(IDS).logits, tmp_path / "logits.pt")
+    args = [str(tmp_path / "m"), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")]
+    for mode, expected in (("unaware", "REFUSED"), ("aware", "LOADED 4 0.0")):
+        out = subprocess.run([sys.executable, "-c", _LOAD_IN_A_FRESH_PROCESS, *args, mode], capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert expected in out.stdout and (mode == "aware" or "lightning_resctl" in out.stdout), out.stdout[-2000:]
+
+
+def test_a_class_loader_of_a_patched_folder_warns_and_a_resave_is_loaded_as_saved(tmp_path):
+    """What stays: a class's own loader (``GPT2LMHeadModel.from_pretrained``) builds the unpatched class, with
+    transformers' model-type warning and load report (docs/limits.md); saved again, the folder has the note but no
+    sites, and the loader loads it as saved (unpatched) and says so."""
     model = _trained(_gpt2(), "rescontroller")
     model.save_pretrained(tmp_path)
-    plain = AutoModelForCausalLM.from_pretrained(tmp_path)
+    plain = GPT2LMHeadModel.from_pretrained(tmp_path)
     assert not merge_sites(plain)
     with torch.no_grad():
         assert not torch.equal(plain(IDS).logits, model(IDS).logits)
     assert "lightning_resctl.from_pretrained" in plain.config.lightning_resctl["load_with"]
-    # saved again, the folder has the note but no sites: the loader loads it as saved (unpatched) and says so
     plain.save_pretrained(tmp_path / "again")
     with pytest.warns(UserWarning, match="no merge site"):
         again = lightning_resctl.from_pretrained(AutoModelForCausalLM, tmp_path / "again")
     assert not merge_sites(again)
     with torch.no_grad():
         assert torch.equal(again(IDS).logits, plain(IDS).logits)
+
+
+class _HFLMStandIn:
+    """The part of lm-evaluation-harness' ``HFLM(pretrained=model_object)`` an evaluation runs: the model object
+    as given, scored by the log-likelihood of continuations (``loglikelihood``)."""
+
+    def __init__(self, pretrained):
+        assert not isinstance(pretrained, str)
+        self.model = pretrained.eval()
+
+    def loglikelihood(self, context: torch.Tensor, continuation: torch.Tensor) -> float:
+        ids = torch.cat([context, continuation])[None]
+        with torch.no_grad():
+            logp = torch.log_softmax(self.model(ids).logits[0, :-1].double(), -1)
+        targets = ids[0, 1:][-len(continuation):]
+        return float(logp[-len(continuation):].gather(-1, targets[:, None]).sum())
+
+
+def test_evaluation_harness_scores_the_patched_network(tmp_path):
+    """The documented evaluation path (docs/transformers.md): the folder loaded by the Auto class (lightning_resctl
+    imported) and handed to the harness as a model object scores exactly what the trained model scores."""
+    model = _trained(_gpt2(), "mgr-competitive", streams=2)
+    model.save_pretrained(tmp_path)
+    context, continuation = IDS[0, :5], IDS[0, 5:]
+    expected = _HFLMStandIn(model).loglikelihood(context, continuation)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert _HFLMStandIn(loaded).loglikelihood(context, continuation) == expected
+    unpatched = GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert _HFLMStandIn(unpatched).loglikelihood(context, continuation) != expected
 
 
 def test_loader_keeps_hf_kwargs_and_loading_info(tmp_path):

@@ -16,6 +16,7 @@ from torch import nn
 from ..rules import make_rule
 from .bind import bind
 from .observe import observe_modes
+from .peft import refuse_adapter_without_its_rule, save_rule_with_adapter
 from .plan import STATE_ATTR, check_model, check_patterns, make_plan, refuse_checkpointed
 from .pretrained import forget_patch_on_config, note_patch_on_config
 from .report import PatchReport, describe
@@ -61,6 +62,7 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     rule = make_rule(method, method_options)
     check_model(model, rule)
+    refuse_adapter_without_its_rule(model)
     if example_input is None:
         example_input = getattr(model, "example_input_array", None)
         if example_input is None:
@@ -87,6 +89,7 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
     old = {id(p) for p in model.parameters()}  # by identity: wrappers (checkpoint_wrapper) rename state_dict keys
     binding = bind(model, plan, rule, report, obs, other)                # bind
     describe(report, binding)                                            # describe
+    save_rule_with_adapter(model)  # a PEFT model: the rule's modules train and save with the adapter
     report.new_parameters = [k for k, p in model.named_parameters() if id(p) not in old]
     report.new_keys = [k for k in model.state_dict().keys() if k not in before]
     report.patch_seconds = time.perf_counter() - t0

@@ -7,10 +7,10 @@ Every object is built complete, in dependency order, and never edited afterwards
 2. the chain runs (chain rules: the merges each chain expects per mode, the reset/check hooks on its scope);
 3. the parallel runs (one per parallel block written as several additions);
 4. the sites — :class:`MergeSite` per merge expression with its rule, chain module, run, positions per mode,
-   parallel run, branch label and free-function provenance — and the :class:`ParallelPart` of each earlier
-   addition of a parallel block;
-5. the patched modules: sites registered, classes swapped to their patched subclasses, native fast paths that
-   would skip the rewritten lines turned off.
+   parallel run, branch label, free-function provenance and the tally of its module (:mod:`.tally`) — and the
+   :class:`ParallelPart` of each earlier addition of a parallel block;
+5. the patched modules: sites registered, classes swapped to their patched subclasses, the tallies' hooks
+   (every observed merge ran in each call), native fast paths that would skip the rewritten lines turned off.
 
 :func:`bind` returns a :class:`Binding`: the :class:`PatchState` that :func:`unpatch_residuals` undoes, and what
 :func:`~lightning_resctl.surgery.report.describe` reports.
@@ -25,7 +25,8 @@ from torch import nn
 from .observe import Observation
 from .plan import CONTAINERS, Plan, branch_kind, chain_dim, parallel_block, site_key, source_line
 from .report import ChainInfo, PatchReport
-from .sites import ChainEnd, ChainRun, ChainStart, MergeSite, ParallelPart, ParallelRun
+from .tally import hook_tallies, site_tallies
+from .sites import ChainEnd, ChainRun, ChainStart, MergeSite, ParallelPart, ParallelRun, mark_rule_module
 
 __all__ = ["bind", "Binding", "BoundMerge", "PatchState"]
 
@@ -87,7 +88,7 @@ def bind(model: nn.Module, plan: Plan, rule, report: PatchReport, obs: Observati
                  for key, group in plan.groups.items() if not group[0].is_partial}
     is_chain = rule.kind == "chain"
 
-    chain_modules, chains = _chain_modules(model, plan, rule, dims, state) if is_chain else (
+    chain_slots, chains = _chain_modules(model, plan, rule, dims, state) if is_chain else (
         [None] * len(plan.chains),
         [ChainInfo(ci, len(chain), chain[0].shapes[0], dims[ci]) for ci, chain in enumerate(plan.chains)])
     runs, eval_positions = ({}, {}) if not is_chain else _chain_runs(model, plan, obs, other, chain_index, positions,
@@ -97,6 +98,8 @@ def bind(model: nn.Module, plan: Plan, rule, report: PatchReport, obs: Observati
         if group[0].is_partial:
             parallel.setdefault(site_key(parallel_block(group[0], obs.events)[-1]), ParallelRun())
 
+    tallies = site_tallies(plan, obs, other)
+    tally_of = {key: (tally, bit) for _, tally, bits in tallies.values() for key, bit in bits.items()}
     sites: dict = {}
     for key, group in plan.groups.items():
         ev0 = group[0]
@@ -107,10 +110,10 @@ def bind(model: nn.Module, plan: Plan, rule, report: PatchReport, obs: Observati
         site = MergeSite(
             rule, path=plan.paths[id(ev0.owner)], location=ev0.location, source_line=source_line(ev0),
             stream_shape=ev0.shapes[0], chain=ci, positions=positions[key], dim=dims[ci], inplace=_inplace(ev0),
-            merge=None if is_chain else rule.build_merge(dims[ci]), chain_module=chain_modules[ci],
+            merge=None if is_chain else rule.build_merge(dims[ci]), chain_slot=chain_slots[ci],
             run=runs.get(ci), mode_positions=mode_positions, parallel=parallel.get(key),
             stream_first=ev0.stream_operand == 0, branch=branch_kind(ev0),
-            function=ev0.function_name if ev0.calls else "", called_at=ev0.call_location)
+            function=ev0.function_name if ev0.calls else "", called_at=ev0.call_location, tally=tally_of[key])
         sites[key] = site.train(ev0.owner.training)  # new modules follow the mode of the module they are added to
     # each addition of a parallel block before the last is a ParallelPart feeding the last one's site
     parts: dict = {}
@@ -132,6 +135,7 @@ def bind(model: nn.Module, plan: Plan, rule, report: PatchReport, obs: Observati
             names.append(attr)
         owner.__class__ = plan.rewritten[oid]
         state.owners.append((owner, cls, names))
+    hook_tallies(tallies, state.hooks)
     _turn_off_native_fast_paths(model, state)
 
     merges = [BoundMerge(sites[site_key(ev)], chain_index[ev.index], position_of[ev.index], ev.stream_operand == 0,
@@ -150,8 +154,9 @@ def _inplace(ev) -> Optional[str]:
 
 def _chain_modules(model: nn.Module, plan: Plan, rule, dims: list, state: PatchState) -> tuple:
     """Chain rules: one chain module per chain, on the device and dtype of the chain's first module, registered on
-    the chain's owner (:func:`_chain_owner`); returns them and the chains' report entries."""
-    modules, infos = [], []
+    the chain's owner (:func:`_chain_owner`); returns where each is registered (``(owner, attribute)``, what the
+    sites read it from) and the chains' report entries."""
+    slots, infos = [], []
     for ci, chain in enumerate(plan.chains):
         d = dims[ci]
         mod = rule.build_chain(chain[0].shapes[0][d], len(chain))
@@ -166,13 +171,13 @@ def _chain_modules(model: nn.Module, plan: Plan, rule, dims: list, state: PatchS
             n += 1
         attr = f"{rule.chain_attr}{n}"
         mod.train(owner.training)  # new modules follow the mode of the module they are added to
-        owner.add_module(attr, mod)
+        owner.add_module(attr, mark_rule_module(mod))
         state.added.append((owner, attr))
-        modules.append(mod)
+        slots.append((owner, attr))
         infos.append(ChainInfo(ci, len(chain), chain[0].shapes[0], d,
                                owner=(owner_path + "." if owner_path else "") + attr, module=mod,
                                note=getattr(mod, "init_note", None)))
-    return modules, infos
+    return slots, infos
 
 
 def _chain_runs(model: nn.Module, plan: Plan, obs: Observation, other: Optional[Observation], chain_index: dict,

@@ -3,12 +3,13 @@
 
 What a folder holds: the weights carry one site record per merge (``..._resctl_siteN._extra_state``, see
 :meth:`MergeSite.get_extra_state`) and the rule's new parameters (MGR's queries and biases); ``config.json``
-carries a note for people (``"lightning_resctl": {"method", "options", "merges", "load_with"}``), written on the
-model's ``config`` when it is patched (:func:`note_patch_on_config`) and removed by ``unpatch_residuals``.
+says ``"model_type": "lightning_resctl"`` and carries the patch's note (``"lightning_resctl": {"method",
+"options", "merges", "load_with", "base_model_type"}``: the model's own type), written on the model's ``config`` when it
+is patched (:func:`note_patch_on_config`, :mod:`.hf_auto`) and removed by ``unpatch_residuals``.
 
-transformers alone (``AutoModelForCausalLM.from_pretrained(path)``) builds the *unpatched* class from such a folder
-— another network — and lists the patch's keys as UNEXPECTED in its load report; load it with
-``lightning_resctl.from_pretrained(AutoModelForCausalLM, path)``. transformers is imported only when needed.
+transformers alone (``AutoModelForCausalLM.from_pretrained(path)`` without ``lightning_resctl`` imported) fails on
+that model type instead of building the unpatched network; with ``lightning_resctl`` imported the Auto classes
+load it through :func:`from_pretrained`. transformers is imported only when needed.
 """
 from __future__ import annotations
 
@@ -55,26 +56,35 @@ def _auto_class_name(model: nn.Module, config: Any) -> str:
 
 def note_patch_on_config(model: nn.Module, report: Any) -> None:
     """Write the patch's note on ``model.config`` (a transformers model; anything else is left alone), so that
-    ``save_pretrained`` puts it in ``config.json``: ``{"method", "options", "merges", "load_with"}``."""
+    ``save_pretrained`` puts it in ``config.json`` (``{"method", "options", "merges", "load_with"}``), and give the
+    config the subclass whose ``config.json`` names the patched model type (:func:`.hf_auto.folder_config_class`)."""
     config = _hf_config(model)
     if config is None:
         return
+    from .hf_auto import folder_config_class, register_auto_classes
     from .sites import _plain
+
+    register_auto_classes()
+    config.__class__ = folder_config_class(type(config))
 
     setattr(config, CONFIG_KEY, {
         "method": report.method,
         "options": _plain(dict(report.options)),
         "merges": len(report.sites),
-        "load_with": f"lightning_resctl.from_pretrained({_auto_class_name(model, config)}, path)",
-        "note": "the weights hold lightning_resctl merge sites: transformers alone loads the unpatched network",
+        "load_with": f"import lightning_resctl, then {_auto_class_name(model, config)}.from_pretrained(path) "
+                     f"(or lightning_resctl.from_pretrained({_auto_class_name(model, config)}, path))",
+        "note": "the weights hold lightning_resctl merge sites: transformers alone does not know this model type",
     })
 
 
 def forget_patch_on_config(model: nn.Module) -> None:
-    """Remove the note of :func:`note_patch_on_config` (the model was unpatched)."""
+    """Remove the note of :func:`note_patch_on_config` and its config subclass (the model was unpatched)."""
     config = _hf_config(model)
     if config is not None and hasattr(config, CONFIG_KEY):
+        from .hf_auto import original_config_class
+
         delattr(config, CONFIG_KEY)
+        config.__class__ = original_config_class(type(config))
 
 
 def example_input_for(model: nn.Module) -> Any:
@@ -201,9 +211,14 @@ def from_pretrained(model_class: Any, pretrained_model_name_or_path: Any, *model
     if not callable(getattr(model_class, "from_pretrained", None)):
         raise TypeError(f"model_class must be a transformers model class with from_pretrained (e.g. "
                         f"AutoModelForCausalLM), got {model_class!r}")
+    from .hf_auto import folder_model_config, register_auto_classes
+
+    register_auto_classes()
     want_info = bool(kwargs.pop("output_loading_info", False))
     hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
     where = _file_keys(_weight_files(pretrained_model_name_or_path, kwargs.get("variant"), hub))
+    if kwargs.get("config") is None and any(_SITE_KEY in k for k in where):  # the model's own config (hf_auto)
+        kwargs["config"] = folder_model_config(pretrained_model_name_or_path, hub)
     if not any(_SITE_KEY in k for k in where):
         loaded = model_class.from_pretrained(pretrained_model_name_or_path, *model_args,
                                              output_loading_info=want_info, **kwargs)

@@ -45,7 +45,16 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..rules.base import branches_sum
 
-__all__ = ["MergeSite", "ChainRun", "ChainEntry", "ParallelRun", "ParallelPart"]
+__all__ = ["MergeSite", "ChainRun", "ChainEntry", "ParallelRun", "ParallelPart", "mark_rule_module", "running_module",
+           "SWITCHED_LINES"]
+
+#: The likely cause and the fix, in every message about observed merges that did not run.
+SWITCHED_LINES = (
+    "Likely cause: a flag switched which lines the model runs after it was patched (e.g. activation checkpointing "
+    "or another config flag turned on after patch_residuals or after the callback patched it); set such flags "
+    "before patching, or patch again: unpatch_residuals(model), then patch_residuals(...). A data-dependent skip of "
+    "merges inside a module is not supported (layer drop that skips whole blocks is, with a per-merge rule such "
+    "as method='rescontroller')")
 
 
 class ChainEntry(NamedTuple):
@@ -160,9 +169,7 @@ class ChainRun:
             raise RuntimeError(
                 f"merge {k} of residual chain {self.index} (site {where}) ran where merge {want} "
                 f"({self.site(want)}) was expected next in {mode} mode: the merges between did not run in this "
-                "forward. A stream-carrying rule needs the same merges in every forward of one mode (a "
-                "data-dependent skip is not supported); use a per-merge rule (e.g. method='rescontroller') for "
-                "this model")
+                f"forward. A stream-carrying rule needs the same merges in every forward of one mode. {SWITCHED_LINES}")
 
     def site(self, k: int) -> str:
         """Where merge ``k`` is (``"module path: file:line"``), for messages."""
@@ -210,15 +217,13 @@ class ChainEnd:
                 f"{'training' if module.training else 'eval'} mode (the first: {run.site(expected[0])}) in this "
                 f"forward of {type(module).__name__}: the chain's output was never produced, and the model's "
                 "additions did not go through the rule. A stream-carrying rule needs the same merges in every "
-                "forward of one mode (a data-dependent skip, or code that bypasses the patched lines, is not "
-                "supported); use a per-merge rule (e.g. method='rescontroller') for this model")
+                f"forward of one mode. {SWITCHED_LINES}")
         if unfinished and output is not None:
             raise RuntimeError(
                 f"residual chain {run.index} stopped after merge {last} (site {where}) of {run.num_merges}: the "
                 f"merges that were observed to follow it in {'training' if module.training else 'eval'} mode did "
                 "not run in this forward, so the chain's output was never produced. A stream-carrying rule needs "
-                "the same merges in every forward of one mode (a data-dependent number of merges is not supported); "
-                "use a per-merge rule (e.g. method='rescontroller') for this model")
+                f"the same merges in every forward of one mode. {SWITCHED_LINES}")
 
 
 class ParallelRun:
@@ -317,18 +322,21 @@ class MergeSite(nn.Module):
     def __init__(self, rule: Any, *, path: str = "", location: str = "", source_line: str = "",
                  stream_shape: tuple = (), chain: int = 0, positions: tuple = (0,), dim: int = -1,
                  inplace: Optional[str] = None, merge: Optional[nn.Module] = None,
-                 chain_module: Optional[nn.Module] = None, run: Optional[ChainRun] = None,
+                 chain_slot: Optional[tuple] = None, run: Optional[ChainRun] = None,
                  mode_positions: Optional[dict] = None, parallel: Optional[ParallelRun] = None,
-                 stream_first: bool = True, branch: str = "", function: str = "", called_at: str = ""):
+                 stream_first: bool = True, branch: str = "", function: str = "", called_at: str = "",
+                 tally: Optional[tuple] = None):
         """``rule`` the configured merge rule; ``path``, ``location``, ``source_line`` where the addition is;
         ``stream_shape``, ``chain``, ``positions`` (one per run of the expression in a forward), ``dim``, ``inplace``
         (the operand an in-place addition writes), ``stream_first`` (the model writes ``stream + update``; False:
-        ``update + stream``) as in the class docstring. ``merge``: the per-merge rule's module; ``chain_module`` and
-        ``run`` (required by chain rules): the chain's module and :class:`ChainRun`; ``mode_positions``: chain rules,
+        ``update + stream``) as in the class docstring. ``merge``: the per-merge rule's module; ``chain_slot`` and
+        ``run`` (required by chain rules): ``(module, attribute)`` where the chain's module is registered (marked
+        by :func:`mark_rule_module`), and the chain's :class:`ChainRun`; ``mode_positions``: chain rules,
         ``{"train": positions, "eval": the positions that run in eval}``; ``parallel``: the :class:`ParallelRun`
         when the site is the last addition of a parallel block. ``branch`` (e.g. "attn", "mlp"), ``function`` (the
         free function holding the addition, "" in the module's own method) and ``called_at`` (the call in the
-        method reaching it) describe the site."""
+        method reaching it) describe the site. ``tally``: ``(SiteTally, bit)``, where the site marks that it ran in
+        its module's current call (:mod:`.tally`)."""
         super().__init__()
         if inplace not in (None, "stream", "update"):
             raise ValueError(f"inplace must be None, 'stream' or 'update', got {inplace!r}")
@@ -353,12 +361,13 @@ class MergeSite(nn.Module):
         self.skip_update = False
         self.merge = merge
         # The chain module is registered once, higher up in the model; keep it out of this module's
-        # children so its parameters have a single name.
-        self.__dict__["_chain_module"] = chain_module
+        # children so its parameters have a single name, and read it from there at each call (what runs there).
+        self.__dict__["_chain_slot"] = chain_slot
         self.__dict__["_run"] = run
         self.__dict__["_parallel"] = parallel   # a ParallelRun when this is the last addition of a parallel block
-        if rule.kind == "chain" and (chain_module is None or run is None):
-            raise ValueError(f"method={rule.name!r} is a chain rule: the site needs chain_module and run")
+        self.__dict__["_tally"], self._tally_bit = tally if tally is not None else (None, 0)
+        if rule.kind == "chain" and (chain_slot is None or run is None):
+            raise ValueError(f"method={rule.name!r} is a chain rule: the site needs chain_slot and run")
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -371,8 +380,10 @@ class MergeSite(nn.Module):
 
     @property
     def chain_module(self) -> Optional[nn.Module]:
-        """The chain module (chain rules) this site belongs to, else None."""
-        return self._chain_module
+        """The chain module (chain rules) this site belongs to, else None: the module that runs where the patch
+        registered it (:func:`running_module`), read at each call."""
+        slot = self._chain_slot
+        return None if slot is None else running_module(slot[0]._modules[slot[1]])
 
     @property
     def chain_state(self) -> Any:
@@ -425,6 +436,9 @@ class MergeSite(nn.Module):
         The last addition of a parallel block (``return mlp_out + x`` after ``x = attn_out + x``) merges the
         block's input with the sum of the branches (``attn_out + mlp_out``): ``stream`` is then the partial
         sum its :class:`ParallelPart` computed."""
+        tally = self._tally
+        if tally is not None:
+            tally.ran |= 1 << self._tally_bit
         if self._parallel is not None:
             return self._merge_parallel(stream, update)
         if self.inplace is None or self.rule.merges_in_place:
@@ -499,7 +513,7 @@ class MergeSite(nn.Module):
         """One merge of the chain; ``origin``: the stream tensor as the model passed it (``stream`` may be a copy
         of it for an in-place merge), by which a checkpointed region's recomputation finds its chain state."""
         rule = self.rule
-        chain = self._chain_module
+        chain = self.chain_module
         run = self._run
         origin = stream if origin is None else origin
         phase = None if torch.compiler.is_compiling() else _checkpoint_phase()
@@ -602,6 +616,27 @@ class MergeSite(nn.Module):
                 "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}); "
                 "checkpoint_sequential(..., use_reentrant=False)), or a per-merge rule (e.g. "
                 "method='rescontroller')")
+
+
+#: attribute by which a module the rule built names itself (:func:`mark_rule_module`)
+_RULE_MODULE_ATTR = "_resctl_rule_module"
+
+
+def mark_rule_module(module: nn.Module) -> nn.Module:
+    """Mark a module the rule built (a chain module) with a reference to itself, so that :func:`running_module`
+    finds it, or the copy that runs instead of it, behind a wrapper. Returns ``module``."""
+    module.__dict__[_RULE_MODULE_ATTR] = module
+    return module
+
+
+def running_module(registered: nn.Module) -> nn.Module:
+    """The module that runs for a rule's module as it is registered now: the module itself, or, where a wrapper
+    replaced it, the one the wrapper routes to — PEFT's ``modules_to_save`` puts a ``ModulesToSaveWrapper`` (the
+    frozen original and a trainable copy per adapter) in its place and passes attribute reads to the active
+    copy (the original while adapters are disabled): the copy's mark (:func:`mark_rule_module`, copied with it)
+    names the copy."""
+    own = registered.__dict__.get(_RULE_MODULE_ATTR)
+    return own if own is not None else getattr(registered, _RULE_MODULE_ATTR, registered)
 
 
 def _storage_ptr(t: torch.Tensor) -> Optional[int]:
