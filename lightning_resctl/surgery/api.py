@@ -20,6 +20,7 @@ from .plan import STATE_ATTR, check_model, check_patterns, make_plan, refuse_che
 from .pretrained import forget_patch_on_config, note_patch_on_config
 from .report import PatchReport, describe
 from .sites import MergeSite
+from .tensor_parallel import TensorParallelCheck, refuse_tensor_parallel
 
 __all__ = ["patch_residuals", "unpatch_residuals", "get_patch_report", "merge_sites"]
 
@@ -54,13 +55,15 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
 
     Raises:
         ValueError: unknown ``method``/options, a rule that refuses the model, or no example input.
-        RuntimeError: the model is already patched, or no merge was found (unless ``allow_empty``).
+        RuntimeError: the model is already patched, or tensor parallel already (patch before
+            ``parallelize_module``), or no merge was found (unless ``allow_empty``).
         TypeError: the model is wrapped (DDP/FSDP/compiled): patch it before wrapping.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     rule = make_rule(method, method_options)
     check_model(model, rule)
+    refuse_tensor_parallel(model, method)
     if example_input is None:
         example_input = getattr(model, "example_input_array", None)
         if example_input is None:
@@ -88,6 +91,8 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
     binding = bind(model, plan, rule, report, obs, other)                # bind
     describe(report, binding)                                            # describe
     report.new_parameters = [k for k, p in model.named_parameters() if id(p) not in old]
+    if report.new_parameters:  # a tensor-parallel forward needs them on the mesh (parallelize_residuals)
+        binding.state.hooks.append(model.register_forward_pre_hook(TensorParallelCheck(method)))
     report.new_keys = [k for k in model.state_dict().keys() if k not in before]
     report.patch_seconds = time.perf_counter() - t0
     model.__dict__[STATE_ATTR] = binding.state
