@@ -1,6 +1,6 @@
 """Tensor / sequence parallel runs (2 CPU processes, gloo, fp64) for tests/test_combinations_parallel.py.
 
-    python tests/_resctl_tp_script.py {raw|lightning} OUT_DIR
+    python tests/_resctl_tp_script.py {raw|lightning|recipe} OUT_DIR
 
 ``raw``: Fabric's "ddp" launcher starts the 2 processes (as tests/_resctl_fabric_script.py); the model is made
 parallel with the raw DTensor API. For every rule and both layouts of the residual stream (``tp``: ``ColwiseParallel``
@@ -15,6 +15,8 @@ rules' parameters left plain (their messages, per rule).
 ``ResidualControlCallback``: ``configure_model`` patches (``patch_in_configure_model``), parallelizes (sequence
 parallel) and calls ``parallelize_residuals``, one SGD step; rank r writes ``lightning_rank{r}.pt``. Then, last (a
 failed fit ends the group), ``configure_model`` parallelizes without patching first: the callback's refusal.
+
+``recipe``: the whole at-scale recipe on a 2 x 2 mesh (4 processes), see :func:`run_recipe`.
 
 The single-process references are computed by the test with :func:`build`, :func:`batch` and :func:`loss_of`.
 """
@@ -217,13 +219,58 @@ def run_lightning(out: Path) -> None:
     torch.save(result, out / f"lightning_rank{fit.global_rank}.pt")
 
 
+RECIPE_CASES = ("plain", "rescontroller", "mgr-competitive")
+
+
+def run_recipe(out: Path) -> None:
+    """The whole recipe on a 2 x 2 mesh (4 processes): data-parallel FSDP2 shards x sequence parallel, each block
+    compiled (aot_eager) with activation checkpointing around the compiled block, bf16 MixedPrecisionPolicy. Per
+    case of :data:`RECIPE_CASES` (``plain``: the unpatched model, the bf16 baseline): one forward / backward, each
+    data-parallel rank on its half of :func:`batch`; rank 0 writes the full gradients (or the error)."""
+    import lightning as L
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    fabric = L.Fabric(accelerator="cpu", devices=4, strategy="ddp")
+    fabric.launch()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    x, y = (t.chunk(2)[mesh["dp"].get_local_rank()] for t in batch())
+    result = {}
+    for case in RECIPE_CASES:
+        def step():
+            model = (base_model() if case == "plain" else build(case)).float()
+            parallelize_module(model, mesh["tp"], plan(model, "sp"))
+            if case != "plain":
+                parallelize_residuals(model, mesh["tp"], sequence_parallel=True)
+            for i, block in enumerate(model.h):
+                block.compile(backend="aot_eager")
+                model.h[i] = checkpoint_wrapper(block)
+                fully_shard(model.h[i], mesh=mesh["dp"], mp_policy=policy)
+            fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+            loss_of(model(x), y).backward()  # FSDP2 averages the gradients over the data-parallel ranks
+            return {n.replace("_checkpoint_wrapped_module.", ""): _full(p.grad).detach().clone()
+                    for n, p in model.named_parameters() if p.grad is not None}
+
+        try:
+            result[case] = step()
+        except Exception as err:  # noqa: BLE001 - the message is the result
+            result[case] = f"{type(err).__name__}: {err}"
+    if fabric.global_rank == 0:
+        torch.save(result, out / "recipe_rank0.pt")
+
+
 def main(mode: str, out: Path) -> None:
     if mode == "raw":
         run_raw(out)
     elif mode == "lightning":
         run_lightning(out)
+    elif mode == "recipe":
+        run_recipe(out)
     else:
-        raise ValueError(f"mode must be raw or lightning, got {mode!r}")
+        raise ValueError(f"mode must be raw, lightning or recipe, got {mode!r}")
 
 
 if __name__ == "__main__":

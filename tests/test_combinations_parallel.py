@@ -1,8 +1,9 @@
-"""The parallelism axis of the combination matrix: tensor and sequence parallel (2 CPU processes, gloo, fp64).
+"""The parallelism axis of the combination matrix: tensor and sequence parallel (2 CPU processes, gloo, fp64) and
+the whole recipe on a 2 x 2 mesh (4 processes).
 
-Two process groups run at once (tests/_resctl_tp_script.py), each checking every case in one go: the raw DTensor API
-(every rule, the residual stream replicated or sharded on the sequence) and Lightning's ModelParallelStrategy with
-ResidualControlCallback. Every run is compared with the single-process eager patched model (computed here, from the
+Three process groups run at once (tests/_resctl_tp_script.py), each checking its cases in one go: the raw DTensor API
+(every rule, the residual stream replicated or sharded on the sequence), Lightning's ModelParallelStrategy with
+ResidualControlCallback, and the recipe (FSDP2 x sequence parallel, per-block compile inside checkpointing, bf16). Every run is compared with the single-process eager patched model (computed here, from the
 same weights and batch): logits, gradients, and the parameters after one SGD step; the ranks' copies of a rule's
 parameters must be equal after the step. And the refusals: patching after ``parallelize_module`` (every rule, both
 APIs), a tensor-parallel forward whose rule parameters were not put on the mesh.
@@ -20,6 +21,7 @@ import _resctl_tp_script as script
 from lightning_resctl.rules import get_merge_rule
 
 REL = 1e-12  # fp64: the parallel runs sum the same products in another order
+BF16_VS_PLAIN = 3.0  # the recipe (bf16 compute): a rule's gradients may differ from fp32 at most 3x the plain model's
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +31,9 @@ def runs(tmp_path_factory):
     env.pop("LOCAL_RANK", None)
     procs = {mode: subprocess.Popen([sys.executable, script.__file__, mode, str(out)], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for mode in ("raw", "lightning")}
+             for mode in ("raw", "lightning", "recipe")}
     references = {method: single_process(method) for method in script.RULES}  # meanwhile
+    recipe_references = {case: fp32_gradients(case) for case in script.RECIPE_CASES}
     for mode, p in procs.items():
         try:
             log, _ = p.communicate(timeout=300)
@@ -39,8 +42,8 @@ def runs(tmp_path_factory):
             log, _ = p.communicate()
         assert p.returncode == 0, f"{mode} run failed:\n{log[-4000:]}"
     loaded = {name: torch.load(out / f"{name}.pt", weights_only=False)
-              for name in ("raw_rank0", "raw_rank1", "lightning_rank0", "lightning_rank1")}
-    return {**loaded, "single": references}
+              for name in ("raw_rank0", "raw_rank1", "lightning_rank0", "lightning_rank1", "recipe_rank0")}
+    return {**loaded, "single": references, "recipe_single": recipe_references}
 
 
 def single_process(method: str) -> dict:
@@ -55,6 +58,14 @@ def single_process(method: str) -> dict:
     torch.optim.SGD(model.parameters(), lr=script.LR).step()
     return {"logits": logits.detach(), "grads": grads, "start": start,
             "after": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def fp32_gradients(case: str) -> dict:
+    """The recipe's reference: the fp32 eager model (``plain``: unpatched) in this process, the whole batch."""
+    model = (script.base_model() if case == "plain" else script.build(case)).float()
+    x, y = script.batch()
+    script.loss_of(model(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def assert_close(got: dict, want: dict, what: str) -> None:
@@ -119,3 +130,19 @@ def test_lightning_model_parallel_strategy_with_the_callback(runs):
     for rank in (rank0, rank1):
         assert_close(rank["after"], want["after"], "Trainer step")
     assert_ranks_hold_one_rule(rank0["rule_local"], rank1["rule_local"], want["start"])
+
+
+def test_the_whole_recipe_on_a_2x2_mesh(runs):
+    """4 processes: FSDP2 over the data-parallel mesh x sequence parallel, each block compiled (aot_eager) inside
+    activation checkpointing, bf16 MixedPrecisionPolicy. bf16 compute cannot match fp32 exactly: each case's
+    gradients are compared with its fp32 single-process run, and a rule may differ by at most
+    :data:`BF16_VS_PLAIN` times what bf16 does to the unpatched model (a gradient left unreduced differs by ~1)."""
+    got, want = runs["recipe_rank0"], runs["recipe_single"]
+    errors = {}
+    for case in script.RECIPE_CASES:
+        assert not isinstance(got[case], str), f"{case}: {got[case]}"
+        assert got[case].keys() == want[case].keys(), case
+        errors[case] = max(float((got[case][n] - w).norm() / w.norm().clamp_min(1e-30)) for n, w in want[case].items())
+    assert errors["plain"] <= 5e-2, errors
+    for case, err in errors.items():
+        assert err <= BF16_VS_PLAIN * errors["plain"], errors
