@@ -151,9 +151,11 @@ def run_raw(out: Path) -> None:
             parallelize_residuals(model, mesh, sequence_parallel=layout == "sp")
             result["runs"][layout, method] = train_step(model)
     for method in RULES:
-        model = base_model()
-        parallelize_module(model, mesh, plan(model, "sp"))
-        result["patch_after"][method] = _message(lambda: patch_residuals(model, method=method, **options(method)))
+        for layout in ("tp", "sp"):
+            model = base_model()
+            parallelize_module(model, mesh, plan(model, layout))
+            result["patch_after"][layout, method] = _message(
+                lambda: patch_residuals(model, method=method, **options(method)))
         model = build(method)
         parallelize_module(model, mesh, plan(model, "sp"))
         result["not_parallelized"][method] = _message(lambda: model(batch()[0]))

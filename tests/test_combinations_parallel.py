@@ -99,9 +99,12 @@ def test_every_rule_trains_as_one_process(runs, layout):
 
 
 def test_patching_a_tensor_parallel_model_is_refused_naming_the_order(runs):
-    """Every rule, raw API and the Lightning callback (which patches after configure_model, where the module
-    parallelized itself): refused at patch time, before any forward, with the order that works."""
+    """Every rule, both layouts, raw API and the Lightning callback (which patches after configure_model, where the
+    module parallelized itself): refused at patch time, before any forward, with the order that works. (Before, the
+    sequence-parallel model was refused as having no merge, and the tensor-parallel one got only its attention
+    merges patched, silently: the MLP merges' branch ends in RowwiseParallel's DTensor redistribution.)"""
     messages = dict(runs["raw_rank0"]["patch_after"])
+    assert {layout for layout, _ in messages} == {"tp", "sp"}
     messages.update({f"callback {m}": msg for m, msg in runs["lightning_rank0"]["refused"].items()})
     assert set(runs["lightning_rank0"]["refused"]) == {"add", script.LIGHTNING_RULE}
     for case, message in messages.items():

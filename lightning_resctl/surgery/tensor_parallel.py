@@ -91,10 +91,11 @@ class TensorParallelCheck:
         from torch.distributed.tensor import DTensor
 
         plain = [p for _, _, p in _rule_parameters(module) if not isinstance(p, DTensor)]
-        if plain and tensor_parallel_modules(module):
+        parallel = tensor_parallel_modules(module) if plain else []
+        if parallel:
             raise RuntimeError(
-                f"the model is tensor parallel (parallelize_module gave DTensor hooks to "
-                f"{tensor_parallel_modules(module)[0]!r}), but method={self.method!r}'s {len(plain)} parameters are "
+                f"the model is tensor parallel (parallelize_module gave DTensor hooks to {parallel[0]!r}), but "
+                f"method={self.method!r}'s {len(plain)} parameters are "
                 "plain tensors: each rank would train its own copy of them (with sequence parallelism each from its "
                 "own tokens). Call lightning_resctl.parallelize_residuals(model, tp_mesh, sequence_parallel=True "
                 "when the residual stream between blocks is sharded on the sequence, else False) after "
@@ -132,9 +133,8 @@ def parallelize_residuals(model: nn.Module, tp_mesh: Any, *, sequence_parallel: 
     ``DeviceMesh``): each becomes a replicated ``DTensor`` (rank 0's values), and each merge reads it as a local
     tensor whose gradient is summed over the mesh (``sequence_parallel=True``: the residual stream between blocks is
     sharded on the sequence, each rank's gradient covers its own tokens) or is the whole gradient already
-    (``sequence_parallel=False``: the stream is replicated). Call it after ``parallelize_module`` (or before: the
-    rules' parameters are not in its plan), before ``fully_shard`` and before building the optimizer. Returns
-    ``model``.
+    (``sequence_parallel=False``: the stream is replicated). Call it after ``parallelize_module``, before
+    ``fully_shard`` and before building the optimizer. Returns ``model``.
 
     The order: ``patch_residuals`` (or ``patch_in_configure_model``), ``parallelize_module``,
     ``parallelize_residuals``, ``fully_shard``. ``sequence_parallel`` has no default: a wrong value trains a
