@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import _resctl_tp_script as script
+from lightning_resctl import parallelize_residuals
 from lightning_resctl.rules import get_merge_rule
 
 REL = 1e-12  # fp64: the parallel runs sum the same products in another order
@@ -149,3 +150,14 @@ def test_the_whole_recipe_on_a_2x2_mesh(runs):
     assert errors["plain"] <= 5e-2, errors
     for case, err in errors.items():
         assert err <= BF16_VS_PLAIN * errors["plain"], errors
+
+
+def test_the_stream_layout_must_be_said():
+    """The stream is a plain tensor whether replicated or sharded: ``sequence_parallel`` has no default, and
+    anything but a bool is refused before the model is touched."""
+    model = script.build("hc")
+    with pytest.raises(TypeError, match="sequence_parallel"):
+        parallelize_residuals(model, None)
+    with pytest.raises(TypeError, match="sequence_parallel must be True or False"):
+        parallelize_residuals(model, None, sequence_parallel="yes")
+    assert not any(type(p).__name__ == "DTensor" for p in model.parameters())

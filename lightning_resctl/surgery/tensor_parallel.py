@@ -25,12 +25,6 @@ from .sites import MergeSite
 
 __all__ = ["parallelize_residuals", "tensor_parallel_modules", "refuse_tensor_parallel", "TensorParallelCheck"]
 
-#: what to do, in every refusal of this module
-_ORDER = ("Patch before parallelize_module (in Lightning: call lightning_resctl.callbacks.patch_in_configure_model"
-          "(self) in configure_model before parallelize_module), then call lightning_resctl.parallelize_residuals("
-          "model, tp_mesh, sequence_parallel=...) after it")
-
-
 def tensor_parallel_modules(model: nn.Module) -> list[str]:
     """Paths of the modules of ``model`` that ``parallelize_module`` (any ``ParallelStyle``) or ``distribute_module``
     gave forward hooks: the hooks that turn their inputs and outputs into ``DTensor`` s and back."""
@@ -56,7 +50,10 @@ def refuse_tensor_parallel(model: nn.Module, method: str) -> None:
         raise RuntimeError(
             f"patching method={method!r} into a model that parallelize_module already made tensor parallel "
             f"(DTensor hooks on {shown}) is not supported: the patch finds the merges by watching the model's own "
-            f"additions, which tensor parallelism turns into DTensor redistributions. {_ORDER}")
+            "additions, which tensor parallelism turns into DTensor redistributions. Patch before parallelize_module "
+            "(in Lightning: call lightning_resctl.callbacks.patch_in_configure_model(self) in configure_model before "
+            "parallelize_module), then call lightning_resctl.parallelize_residuals(model, tp_mesh, "
+            "sequence_parallel=...) after it")
 
 
 def _rule_modules(model: nn.Module) -> Iterator[nn.Module]:
