@@ -3,10 +3,11 @@ the whole recipe on a 2 x 2 mesh (4 processes).
 
 Three process groups run at once (tests/_resctl_tp_script.py), each checking its cases in one go: the raw DTensor API
 (every rule, the residual stream replicated or sharded on the sequence), Lightning's ModelParallelStrategy with
-ResidualControlCallback, and the recipe (FSDP2 x sequence parallel, per-block compile inside checkpointing, bf16). Every run is compared with the single-process eager patched model (computed here, from the
-same weights and batch): logits, gradients, and the parameters after one SGD step; the ranks' copies of a rule's
-parameters must be equal after the step. And the refusals: patching after ``parallelize_module`` (every rule, both
-APIs), a tensor-parallel forward whose rule parameters were not put on the mesh.
+ResidualControlCallback, and the recipe (FSDP2 x sequence parallel, checkpointing around each compiled block, bf16).
+Every fp64 run is compared with the single-process eager patched model (computed here, from the same weights and
+batch): logits, gradients, and the parameters after one SGD step; the ranks' copies of a rule's parameters must be
+equal after the step. And the refusals: patching after ``parallelize_module`` (every rule, both layouts, both APIs),
+a tensor-parallel forward whose rule parameters were not put on the mesh.
 """
 from __future__ import annotations
 
