@@ -40,6 +40,7 @@ _EXPORTS = {
     "MergeSite": "surgery",
     "get_patch_report": "surgery",
     "merge_sites": "surgery",
+    "parallelize_residuals": "surgery",
     "load_unpatched_state_dict": "surgery",
     "patch_from_state_dict": "surgery",
     "patch_from_checkpoint": "surgery",

@@ -42,12 +42,14 @@ from .api import get_patch_report, merge_sites, patch_residuals, unpatch_residua
 from .pretrained import from_pretrained
 from .report import ChainInfo, PatchReport, SiteInfo, SkippedInfo
 from .sites import MergeSite
+from .tensor_parallel import parallelize_residuals
 
 __all__ = [
     "patch_residuals",
     "unpatch_residuals",
     "get_patch_report",
     "merge_sites",
+    "parallelize_residuals",
     "load_unpatched_state_dict",
     "patch_from_state_dict",
     "patch_from_checkpoint",

@@ -21,6 +21,7 @@ from .plan import STATE_ATTR, check_model, check_patterns, make_plan, refuse_che
 from .pretrained import forget_patch_on_config, note_patch_on_config
 from .report import PatchReport, describe
 from .sites import MergeSite
+from .tensor_parallel import TensorParallelCheck, refuse_tensor_parallel
 
 __all__ = ["patch_residuals", "unpatch_residuals", "get_patch_report", "merge_sites"]
 
@@ -55,7 +56,8 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
 
     Raises:
         ValueError: unknown ``method``/options, a rule that refuses the model, or no example input.
-        RuntimeError: the model is already patched, or no merge was found (unless ``allow_empty``).
+        RuntimeError: the model is already patched, or tensor parallel already (patch before
+            ``parallelize_module``), or no merge was found (unless ``allow_empty``).
         TypeError: the model is wrapped (DDP/FSDP/compiled): patch it before wrapping.
     """
     if not isinstance(model, nn.Module):
@@ -63,6 +65,7 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
     rule = make_rule(method, method_options)
     check_model(model, rule)
     refuse_adapter_without_its_rule(model)
+    refuse_tensor_parallel(model, method)
     if example_input is None:
         example_input = getattr(model, "example_input_array", None)
         if example_input is None:
@@ -91,6 +94,8 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
     describe(report, binding)                                            # describe
     save_rule_with_adapter(model)  # a PEFT model: the rule's modules train and save with the adapter
     report.new_parameters = [k for k, p in model.named_parameters() if id(p) not in old]
+    if report.new_parameters:  # a tensor-parallel forward needs them on the mesh (parallelize_residuals)
+        binding.state.hooks.append(model.register_forward_pre_hook(TensorParallelCheck(method)))
     report.new_keys = [k for k in model.state_dict().keys() if k not in before]
     report.patch_seconds = time.perf_counter() - t0
     model.__dict__[STATE_ATTR] = binding.state

@@ -13,6 +13,7 @@ from torch import nn
 from ..runtime.log import rank_zero_line
 from ..rules import get_merge_rule, make_rule
 from .api import get_patch_report, merge_sites, patch_residuals, unpatch_residuals
+from .tensor_parallel import refuse_tensor_parallel
 
 __all__ = ["ResidualPatcher", "merge_options", "check_method", "ensure_patched", "patch_copies", "patch_line"]
 
@@ -83,6 +84,7 @@ def ensure_patched(
         return False
     use = method or "add"
     rule = make_rule(use, dict(method_options or {}))
+    refuse_tensor_parallel(module, use)
     if rule.kind == "chain" and _has_dtensor_params(module):
         raise RuntimeError(
             f"the model's parameters are already sharded (DTensor) when the residual patch runs, so {use}'s new "
