@@ -30,10 +30,10 @@ COMPILE = ("eager", "whole", "per-block", "fullgraph")
 CKPT = ("none", "ckpt-first", "patch-first")
 PRECISION = ("fp32", "bf16")
 INPLACE = (False, True)
-# relative error (per logits / per parameter's gradient) against the eager, non-checkpointed patched model: exact
-# to fp32 rounding when the same kernels run (eager), the rounding of aot_eager's decompositions when compiled, and
-# of bf16 operands under autocast
-TOL = {("fp32", False): 1e-6, ("fp32", True): 5e-6, ("bf16", False): 1e-6, ("bf16", True): 2e-2}
+# relative error (per logits / per parameter's gradient) against the eager, non-checkpointed patched model, keyed by
+# (precision, compiled): fp32 1e-6 (measured: 0, up to 4e-7 for attnres per block, 3e-7 with inductor); bf16 compiled: bf16's rounding
+# (2^-8), should a decomposition round its operands apart from the eager kernel (measured: 0)
+TOL = {("fp32", False): 1e-6, ("fp32", True): 1e-6, ("bf16", False): 1e-6, ("bf16", True): 1e-2}
 
 
 class Block(nn.Module):
@@ -259,7 +259,7 @@ def test_per_block_fullgraph_with_the_checkpoint_inside_the_compiled_block(metho
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
         logits, grads = step(model, model, x, "fp32")
     grads = {k.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""): g for k, g in grads.items()}
-    assert_same_step((logits, grads), step(ref, ref, x, "fp32"), 5e-6)
+    assert_same_step((logits, grads), step(ref, ref, x, "fp32"), TOL[("fp32", True)])
     assert counter.frame_count == LAYERS
     torch._dynamo.reset()
 
@@ -270,7 +270,7 @@ def test_per_block_compiled_checkpointed_blocks_train_two_steps_and_keep_nothing
     model, ref = patched_pair("hc", "patch-first", inplace=True)
     run, _ = compiled(model, "per-block")
     for seed in (1, 2):
-        assert_same_step(step(run, model, _x(seed), "fp32"), step(ref, ref, _x(seed), "fp32"), 5e-6)
+        assert_same_step(step(run, model, _x(seed), "fp32"), step(ref, ref, _x(seed), "fp32"), TOL[("fp32", True)])
     runs = {id(s._run): s._run for s in model.modules() if getattr(s, "_run", None) is not None}
     assert runs and all(len(r.entries) == 0 for r in runs.values())
     torch._dynamo.reset()
@@ -282,7 +282,7 @@ def test_per_block_inductor_under_checkpointing():
     torch._dynamo.reset()
     model, ref = patched_pair("mgr-competitive", "ckpt-first")
     run, counter = compiled(model, "per-block", backend="inductor")
-    assert_same_step(step(run, model, _x(), "fp32"), step(ref, ref, _x(), "fp32"), 5e-6)
+    assert_same_step(step(run, model, _x(), "fp32"), step(ref, ref, _x(), "fp32"), TOL[("fp32", True)])
     assert counter.frame_count >= 1
     torch._dynamo.reset()
 
@@ -322,4 +322,18 @@ def test_fsdp2_per_block_compile_and_checkpointing(method, precision, one_proces
     assert_same_step(full(step(run, model, x, "fp32")), full(step(ref, ref, x, "fp32")),
                      TOL[(precision, True)])
     assert counter.frame_count >= 1
+    torch._dynamo.reset()
+
+
+def test_mgr_with_its_default_inversion_is_within_the_inversions_rounding():
+    """MGR's default options (``invert="auto"``): the eager reference inverts its merges in backward, the compiled
+    checkpointed blocks keep the streams; the two differ by the inversion's rounding only."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    patch_residuals(model, method="mgr-competitive", example_input=(_x(0),))
+    ref = copy.deepcopy(model)
+    model.ckpt = True
+    run, _ = compiled(model, "per-block")
+    assert_same_step(step(run, model, _x(), "fp32"), step(ref, ref, _x(), "fp32"), 1e-5)
     torch._dynamo.reset()
