@@ -30,6 +30,11 @@ live :class:`ChainRun`: the recomputation saves the same tensors as the forward,
 through the forward's own graph. Reentrant checkpointing (``use_reentrant=True``) runs the region under
 ``no_grad`` and would cut the chain state's gradient: it is refused at the first forward that trains through
 it, naming ``use_reentrant=False``.
+
+Under ``torch.compile``: a graph traced outside any checkpointed region (the whole model, ``fullgraph=True``, a
+checkpoint dynamo traces inside the graph) carries the live run's bookkeeping in the graph and remembers nothing
+per tensor. A block compiled on its own and checkpointed from outside runs its merges' bookkeeping eagerly, at a
+graph break before and after each merge's math (which ``fullgraph=True`` refuses, naming what to do instead).
 """
 from __future__ import annotations
 
@@ -537,9 +542,9 @@ class MergeSite(nn.Module):
         h = h.movedim(-1, d) if moved else h
         after = ChainEntry(state, next_k, lead, training, None)  # the version: taken by a recomputation
         if eagerly:  # the phase read again at the graph break: one graph of the math serves both phases
-            _leave_chain_eagerly(self, run, "now", after, h)
+            _leave_chain_eagerly(self, run, "now", k, after, h)
         else:
-            _leave_chain(self, run, phase, after, h)
+            _leave_chain(self, run, phase, k, after, h)
         return h
 
     def _replay_entry(self, run: ChainRun, stream: torch.Tensor) -> ChainEntry:
@@ -561,7 +566,8 @@ class MergeSite(nn.Module):
                 "backward pass (activation checkpointing recomputing its block), but its stream is not a tensor "
                 "the chain handed to the model inside a checkpointed region, so its chain state is unknown: "
                 "checkpoint with torch.utils.checkpoint(..., use_reentrant=False) around whole blocks, whose "
-                "input is the previous merge's output")
+                "input is the previous merge's output. A block compiled with torch.compile outside any checkpointed "
+                "region keeps that graph when checkpointing is switched on later: call torch._dynamo.reset() then")
         positions = set(self.mode_positions.get("train" if entry.training else "eval") or self.positions)
         if entry.k not in positions:
             raise RuntimeError(
@@ -611,9 +617,9 @@ def _enter_chain(site: MergeSite, run: ChainRun, stream: torch.Tensor, origin: t
     return phase, state, k, lead, training
 
 
-def _leave_chain(site: MergeSite, run: ChainRun, phase: Optional[str], after: ChainEntry,
+def _leave_chain(site: MergeSite, run: ChainRun, phase: Optional[str], k: int, after: ChainEntry,
                  h: torch.Tensor) -> None:
-    """The bookkeeping after one merge of a chain returned ``h``; ``after``: the chain's state and the position
+    """The bookkeeping after merge ``k`` of a chain returned ``h``; ``after``: the chain's state and the position
     of the merge that reads it next. The live run moves on, except in a recomputation, where the next merge of
     the recomputed region finds that state by the tensor ``h`` its stream operand is. ``phase`` as in
     :func:`_enter_chain`."""
@@ -624,7 +630,7 @@ def _leave_chain(site: MergeSite, run: ChainRun, phase: Optional[str], after: Ch
             run.entries[h] = after._replace(version=h._version)
         return
     run.lead = after.lead
-    run.last = site.current_position
+    run.last = k
     run.last_site = site.location
     if after.k >= run.num_merges:
         run.state = None  # nothing kept alive after the chain's output
