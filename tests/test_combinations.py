@@ -206,7 +206,7 @@ def test_combination_gives_the_eager_non_checkpointed_step(case):
 GRAD_MODES = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
 
-@pytest.mark.parametrize("method", ["mgr-competitive", "attnres-block", "mhc"])  # the matrix has the other rules
+@pytest.mark.parametrize("method", ["mgr-competitive"])  # the matrix has fullgraph x in-place x checkpointing for the others
 def test_fullgraph_with_in_place_merges_in_every_grad_mode_with_and_without_checkpointing(method):
     """``torch.compile(model, fullgraph=True)`` of in-place merges (``y += x``): the model compiles in one graph in
     grad / no_grad / inference_mode, with and without checkpointed blocks, and gives the eager model's logits (and
@@ -244,7 +244,7 @@ def test_per_block_fullgraph_under_outer_checkpointing_is_refused_at_the_first_f
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("method", ["mgr-independent", "attnres-block", "mhc"])
+@pytest.mark.parametrize("method", ["mhc"])
 def test_per_block_fullgraph_with_the_checkpoint_inside_the_compiled_block(method):
     """torchtitan's order: ``checkpoint_wrapper`` first, then each wrapped block compiled with ``fullgraph=True``;
     dynamo traces the checkpoint with the chain's bookkeeping kept once (its switch for forward side effects)."""
@@ -297,7 +297,7 @@ def one_process_group():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("method,precision", [("mgr-competitive", "bf16"), ("mhc-lite", "fp32")])
+@pytest.mark.parametrize("method,precision", [("mgr-competitive", "bf16")])
 def test_fsdp2_per_block_compile_and_checkpointing(method, precision, one_process_group):
     """The recipe in one process (gloo): the patch, each block compiled (aot_eager) and checkpointed, ``fully_shard``
     per block and on the root, bf16 ``MixedPrecisionPolicy`` (fp32 reduction) or none. Compared with the same
