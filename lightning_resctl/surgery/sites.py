@@ -30,6 +30,11 @@ live :class:`ChainRun`: the recomputation saves the same tensors as the forward,
 through the forward's own graph. Reentrant checkpointing (``use_reentrant=True``) runs the region under
 ``no_grad`` and would cut the chain state's gradient: it is refused at the first forward that trains through
 it, naming ``use_reentrant=False``.
+
+Under ``torch.compile``: a graph traced outside any checkpointed region (the whole model, ``fullgraph=True``, a
+checkpoint dynamo traces inside the graph) carries the live run's bookkeeping in the graph and remembers nothing
+per tensor. A block compiled on its own and checkpointed from outside runs its merges' bookkeeping eagerly, at a
+graph break before and after each merge's math (which ``fullgraph=True`` refuses, naming what to do instead).
 """
 from __future__ import annotations
 
@@ -480,10 +485,9 @@ class MergeSite(nn.Module):
         recomputation then knows by ``merged``'s chain entry)."""
         out = target.copy_(merged)
         run = self._run
-        if run is not None:
-            entry = run.entries.get(merged)
-            if entry is not None:
-                run.entries[out] = entry._replace(version=out._version)
+        eagerly = _bookkeeping_in_eager_code()
+        if run is not None and eagerly is not None:  # (nothing is remembered in a graph traced outside regions)
+            (_move_entry_eagerly if eagerly else _move_entry)(run, merged, out)
         return out
 
     def _merge(self, stream: torch.Tensor, update: torch.Tensor, origin: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -516,23 +520,12 @@ class MergeSite(nn.Module):
         chain = self.chain_module
         run = self._run
         origin = stream if origin is None else origin
-        phase = None if torch.compiler.is_compiling() else _checkpoint_phase()
-        if phase == "recompute":
-            entry = self._replay_entry(run, origin)
-            state, k, lead, training = entry.state, entry.k, entry.lead, entry.training
+        eagerly = _bookkeeping_in_eager_code()
+        if eagerly is None:  # traced into a graph compiled outside any checkpointed region: the live run
+            phase, state, k, lead, training = _enter_chain(self, run, stream, origin, None)
         else:
-            if not torch.is_grad_enabled() and self.training:
-                self._refuse_reentrant(stream, run)
-            training = self.training
-            k = self._position_now(run)
-            run.check_order(k, training, f"{self.location}: {self.source_line!r}")
-            state, lead = run.state, getattr(run, "lead", None)
-            if phase == "region":
-                entry = ChainEntry(state, k, lead, training, origin._version)
-                run.entries[origin] = entry
-                frame = _checkpoint_frame()
-                if frame is not None:  # the region's first merge of this chain: kept as long as the region
-                    frame.__dict__.setdefault("_resctl_chain_entries", {}).setdefault(id(run), entry)
+            phase, state, k, lead, training = (_enter_chain_eagerly if eagerly else _enter_chain)(
+                self, run, stream, origin, "now")
         d = self.dim
         moved = d != -1 and d != stream.dim() - 1
         s = stream.movedim(d, -1) if moved else stream
@@ -540,8 +533,6 @@ class MergeSite(nn.Module):
         if state is None:
             state = rule.start(chain, s)
             lead = s.shape[:-1]
-            if phase != "recompute":
-                run.state, run.lead = state, lead
         self.current_position = k
         if self.observer is not None and phase != "recompute":
             self.observer(self, stream, update, rule.streams(chain, state))
@@ -558,22 +549,16 @@ class MergeSite(nn.Module):
             state, h = rule.skip(chain, k, state, next_k)
         else:
             state, h = rule.step(chain, k, state, u, next_k)
-        if phase != "recompute":
-            run.last = k
-            run.last_site = self.location
-            if next_k >= run.num_merges:
-                run.state = None  # nothing kept alive after the chain's output
-                run.done = True
-            else:
-                run.state = state
         if h.shape[:-1] != s.shape[:-1]:
             h = h.reshape(s.shape)
         if h.dtype != out_dtype:
             h = h.to(out_dtype)
         h = h.movedim(-1, d) if moved else h
-        if phase == "recompute" and next_k < run.num_merges:
-            # the next merge of this recomputation finds the state by the tensor its stream operand is
-            run.entries[h] = ChainEntry(state, next_k, lead, training, h._version)
+        after = ChainEntry(state, next_k, lead, training, None)  # the version: taken by a recomputation
+        if eagerly:  # the phase read again at the graph break: one graph of the math serves both phases
+            _leave_chain_eagerly(self, run, "now", k, after, h)
+        else:
+            _leave_chain(self, run, phase, k, after, h)
         return h
 
     def _replay_entry(self, run: ChainRun, stream: torch.Tensor) -> ChainEntry:
@@ -595,7 +580,8 @@ class MergeSite(nn.Module):
                 "backward pass (activation checkpointing recomputing its block), but its stream is not a tensor "
                 "the chain handed to the model inside a checkpointed region, so its chain state is unknown: "
                 "checkpoint with torch.utils.checkpoint(..., use_reentrant=False) around whole blocks, whose "
-                "input is the previous merge's output")
+                "input is the previous merge's output. A block compiled with torch.compile outside any checkpointed "
+                "region keeps that graph when checkpointing is switched on later: call torch._dynamo.reset() then")
         positions = set(self.mode_positions.get("train" if entry.training else "eval") or self.positions)
         if entry.k not in positions:
             raise RuntimeError(
@@ -637,6 +623,92 @@ def running_module(registered: nn.Module) -> nn.Module:
     names the copy."""
     own = registered.__dict__.get(_RULE_MODULE_ATTR)
     return own if own is not None else getattr(registered, _RULE_MODULE_ATTR, registered)
+
+
+def _enter_chain(site: MergeSite, run: ChainRun, stream: torch.Tensor, origin: torch.Tensor,
+                 phase: Optional[str]) -> tuple:
+    """The bookkeeping entering one merge of a chain: ``(phase, state, k, lead, training)``; ``phase``: the
+    checkpoint phase (``"now"``: read it here, see :func:`_checkpoint_phase`). Recomputing a checkpointed
+    region, the state comes from the entry the forward left on ``origin`` and the live run is not touched;
+    otherwise the merge's position is checked against the live run, and inside a checkpointed region the
+    state entering it is remembered for the recomputation."""
+    if phase == "now":
+        phase = _checkpoint_phase()
+    if phase == "recompute":
+        entry = site._replay_entry(run, origin)
+        return phase, entry.state, entry.k, entry.lead, entry.training
+    if not torch.is_grad_enabled() and site.training:
+        site._refuse_reentrant(stream, run)
+    training = site.training
+    k = site._position_now(run)
+    run.check_order(k, training, f"{site.location}: {site.source_line!r}")
+    state, lead = run.state, getattr(run, "lead", None)
+    if phase == "region":
+        entry = ChainEntry(state, k, lead, training, origin._version)
+        run.entries[origin] = entry
+        frame = _checkpoint_frame()
+        if frame is not None:  # the region's first merge of this chain: kept as long as the region
+            frame.__dict__.setdefault("_resctl_chain_entries", {}).setdefault(id(run), entry)
+    return phase, state, k, lead, training
+
+
+def _leave_chain(site: MergeSite, run: ChainRun, phase: Optional[str], k: int, after: ChainEntry,
+                 h: torch.Tensor) -> None:
+    """The bookkeeping after merge ``k`` of a chain returned ``h``; ``after``: the chain's state and the position
+    of the merge that reads it next. The live run moves on, except in a recomputation, where the next merge of
+    the recomputed region finds that state by the tensor ``h`` its stream operand is. ``phase`` as in
+    :func:`_enter_chain`."""
+    if phase == "now":
+        phase = _checkpoint_phase()
+    if phase == "recompute":
+        if after.k < run.num_merges:
+            run.entries[h] = after._replace(version=h._version)
+        return
+    run.lead = after.lead
+    run.last = k
+    run.last_site = site.location
+    if after.k >= run.num_merges:
+        run.state = None  # nothing kept alive after the chain's output
+        run.done = True
+    else:
+        run.state = after.state
+
+
+def _move_entry(run: ChainRun, merged: torch.Tensor, out: torch.Tensor) -> None:
+    """An in-place merge wrote ``merged`` into ``out``: ``out`` now stands for what ``merged`` did."""
+    entry = run.entries.get(merged)
+    if entry is not None:
+        run.entries[out] = entry._replace(version=out._version)
+
+
+@torch.compiler.assume_constant_result
+def _phase_when_traced() -> Optional[str]:
+    """The checkpoint phase while dynamo traces a merge (baked into the graph as a constant)."""
+    return _checkpoint_phase()
+
+
+def _bookkeeping_in_eager_code() -> Optional[bool]:
+    """Where a chain merge's bookkeeping runs. False: eager code, the merge itself runs eagerly. True: a graph
+    dynamo traces inside a checkpointed region (a block compiled on its own under ``torch.utils.checkpoint``):
+    the bookkeeping (saved-tensor hooks, tensor-keyed weak mappings: nothing dynamo traces) runs eagerly at a
+    graph break before and after the merge's math, so that it reads the checkpoint phase when the graph runs and
+    the math's graph is the same in the forward and in its recomputation. None: a graph traced outside any
+    region (whole-model compile, ``fullgraph=True`` without checkpointing around the compiled code): the
+    bookkeeping of the live run is traced into the graph."""
+    if not torch.compiler.is_compiling():
+        return False
+    return None if _phase_when_traced() is None else True
+
+
+_GRAPH_BREAK = (
+    "a chain rule's merge (lightning_resctl) inside a block compiled on its own and checkpointed from outside "
+    "(torch.utils.checkpoint around the compiled block) keeps the chain's state for the recomputation in eager "
+    "code, at a graph break, which torch.compile(fullgraph=True) refuses. Compile the block without fullgraph, or "
+    "checkpoint inside the compiled block (checkpoint_wrapper before torch.compile, with "
+    "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint=True), or compile the whole model")
+_enter_chain_eagerly = torch.compiler.disable(_enter_chain, reason=_GRAPH_BREAK)
+_leave_chain_eagerly = torch.compiler.disable(_leave_chain, reason=_GRAPH_BREAK)
+_move_entry_eagerly = torch.compiler.disable(_move_entry, reason=_GRAPH_BREAK)
 
 
 def _storage_ptr(t: torch.Tensor) -> Optional[int]:
