@@ -7,8 +7,8 @@ Per rule, for one training step (forward + backward) of the nanoGPT with the rul
 
 * the ops AOTAutograd hands to the compiler, forward and backward, and any that are not aten / prims ops
   (an opaque op: what inductor cannot fuse with its neighbours);
-* the tensors the partitioner saves for backward (min-cut rematerialization, inductor's), in bytes, as a ratio
-  to the compiled plain model's (parameters included in both);
+* the activations the partitioner saves for backward (min-cut rematerialization, inductor's; parameters and
+  inputs left out), in bytes, as a ratio to the compiled plain model's;
 * ``--inductor``: the kernels inductor generates (forward / backward; C++ kernels on CPU, Triton kernels on
   CUDA, library calls such as ``mm`` apart) and the compile time of the first step, as a ratio to plain's
   (wall clock: run it on a quiet machine).
@@ -55,12 +55,14 @@ class GraphCapture:
                             partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
 
     def saved_bytes(self) -> int:
-        """Bytes of the tensors the forward graphs save for their backward graphs."""
+        """Bytes of the activations the forward graphs save for their backward graphs (the graphs' own inputs,
+        the parameters among them, left out)."""
         total = 0
         for graph in self.backward:
             for node in graph.graph.nodes:
                 val = node.meta.get("val")
-                if node.op == "placeholder" and isinstance(val, torch.Tensor) and not node.name.startswith("tangents"):
+                if node.op == "placeholder" and isinstance(val, torch.Tensor) \
+                        and not node.name.startswith(("tangents", "primals")):
                     total += val.numel() * val.element_size()
         return total
 

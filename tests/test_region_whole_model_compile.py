@@ -3,21 +3,18 @@ the forward and backward graphs AOTAutograd hands to inductor, the closed-form b
 traced from their ``autograd.Function``), so inductor can fuse it with its neighbours; no graph break
 (``fullgraph=True``), on a model with out-of-place merges (``x = x + f(x)``) and one with in-place merges
 (``h += x``); the gradients equal the eager patched model's. What the partitioner saves for backward stays within
-the rules' goal (<= 1.2x the compiled plain model's bytes)."""
+the rules' goal (<= 1.2x the compiled plain model's activation bytes)."""
 from __future__ import annotations
 
 import copy
-import operator
 
 import pytest
 import torch
 from torch import nn
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from lightning_resctl.runtime.backends import COMPILE_ENV
 from lightning_resctl.surgery import patch_residuals
+from benchmarks.compiled_graph import GraphCapture, opaque_calls
 from benchmarks.models import NanoGPT, gpt_loss
 
 RULES = ["add", "rescontroller", "mgr-competitive", "mgr-independent", "attnres", "attnres-block", "hc", "mhc",
@@ -55,49 +52,6 @@ def _in_place():
 MODELS = {"out-of-place": _gpt, "in-place": _in_place}
 
 
-class _Capture:
-    """A ``torch.compile`` backend that keeps the forward and backward graphs AOTAutograd partitions with the
-    partitioner inductor uses (min-cut rematerialization), and runs them as they are."""
-
-    def __init__(self):
-        self.forward: list = []
-        self.backward: list = []
-
-    def __call__(self, gm, example_inputs):
-        def keep(graphs):
-            def compiler(graph, _):
-                graphs.append(graph)
-                return make_boxed_func(graph)
-            return compiler
-        return aot_autograd(fw_compiler=keep(self.forward), bw_compiler=keep(self.backward),
-                            partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
-
-    def saved_bytes(self) -> int:
-        """Bytes of the tensors the forward graphs save for their backward graphs."""
-        total = 0
-        for graph in self.backward:
-            for node in graph.graph.find_nodes(op="placeholder"):
-                val = node.meta.get("val")
-                if isinstance(val, torch.Tensor) and not node.name.startswith("tangents"):
-                    total += val.numel() * val.element_size()
-        return total
-
-
-def _opaque_calls(graphs) -> set:
-    """Call targets of ``graphs`` that are not aten / prims ops: what inductor cannot look into."""
-    out = set()
-    for graph in graphs:
-        for node in graph.graph.nodes:
-            target = node.target
-            if node.op != "call_function":
-                continue
-            if target is operator.getitem:
-                continue
-            if not (isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims")):
-                out.add(str(target))
-    return out
-
-
 def _compile_and_compare(method: str, kind: str):
     torch._dynamo.reset()  # every test compiles the same forward code of another model
     torch.manual_seed(0)
@@ -105,7 +59,7 @@ def _compile_and_compare(method: str, kind: str):
     if method is not None:
         patch_residuals(model, method=method)
     twin = copy.deepcopy(model)
-    capture = _Capture()
+    capture = GraphCapture()
     loss = loss_fn(torch.compile(model, backend=capture, fullgraph=True), x)  # fullgraph: a graph break raises
     loss.backward()
     want = loss_fn(twin, x)
@@ -123,9 +77,21 @@ def test_the_compiler_sees_the_merge_math_and_the_gradients_are_eager(method, ki
     monkeypatch.setenv(COMPILE_ENV, "0")  # the eager twin runs its math op by op (no background compile)
     model, twin, loss, want, capture = _compile_and_compare(method, kind)
     assert capture.forward and capture.backward
-    assert _opaque_calls(capture.forward + capture.backward) == set()  # no opaque merge op: the math is traced
+    assert opaque_calls(capture.forward + capture.backward) == set()  # no opaque merge op: the math is traced
     assert _rel(loss.detach(), want.detach()) <= 1e-6
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
             assert _rel(p.grad, q.grad) <= 1e-6, (name, _rel(p.grad, q.grad))
+
+
+@pytest.mark.parametrize("method", ["rescontroller", "attnres-block"])
+def test_what_the_partitioner_saves_stays_within_the_goal(method, monkeypatch):
+    """The activations a compiled step saves for backward (the partitioner's choice, from the closed-form
+    backward's needs) stay <= 1.2x the compiled plain model's; plain autograd of ResController's oracle saves
+    1.38x on this model. (MGR saves more compiled than eager: its inversion does not run under torch.compile,
+    docs/benchmarks.md.)"""
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    plain = _compile_and_compare(None, "out-of-place")[-1].saved_bytes()
+    patched = _compile_and_compare(method, "out-of-place")[-1].saved_bytes()
+    assert plain > 0 and patched <= 1.2 * plain, patched / plain
