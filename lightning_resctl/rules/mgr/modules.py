@@ -333,7 +333,12 @@ class MGRChain(nn.Module):
         # step and its closed-form backward
         mode = "triton" if backend == "triton" else torch_mode(backend, streams)
         cfg = (mode, self.eps, run, k, k == self.num_merges - 1)
-        return MGRStepFn.apply(streams, u, wq, gq, gb, fb, cfg)
+        out, h = MGRStepFn.apply(streams, u, wq, gq, gb, fb, cfg)
+        if torch.compiler.is_compiling():
+            # the chain hands ``out`` to the next merge, also across checkpointed blocks' subgraphs: as the Function's
+            # own output dynamo cannot lift it into the next block's subgraph, as a view made here it can
+            out = out.view_as(out)
+        return out, h
 
     def skip(self, k: int, streams: Tensor) -> tuple[Tensor, Tensor]:
         """Ablation of merge k's branch: gated merges leave the streams unchanged; accumulating merges append a
