@@ -1,6 +1,7 @@
 """Residual rules side by side in one nanoGPT training step: step-time ratio and saved-bytes ratio to plain.
 
     python benchmarks/bench_peers.py [--threads N] [--reps 15] [--layers 12 --C 256 --T 64 --batch 8]
+                                     [--compile default,reduce-overhead | none]
 
 One process, one copy of the same initial weights per variant; every repetition runs one training step
 (forward, loss, backward, AdamW step) of each variant in a rotating order (interleaved, so slow phases of a
@@ -15,6 +16,11 @@ Variants: ``plain`` (the model as written), the project's rules installed with `
 MLBricks' ResController (its torch path; non-commercial licence, used only if ``mlbricks`` is importable) and
 the ``hyper-connections`` package's HC and mHC (n=4). A peer that is not installed, or a variant that fails to
 build, is listed with the reason instead of a ratio.
+
+Compiled columns (``--compile``, default "default"): every variant, the peers too, also runs as a whole-model
+``torch.compile(model, mode=...)`` (the same weights and optimizer), timed in the same interleaved rotation; its
+ratio is to the compiled plain model, "vs eager" is its time over the variant's own eager step, and "compile s" is
+its first step (the compile) beside the ratio to plain's. "none": eager only.
 
 Thread count: the machine's default (``torch.get_num_threads()``) unless ``--threads`` is given.
 """
@@ -36,7 +42,14 @@ from benchmarks.models import (  # noqa: E402
     wire_hyper_connections,
     wire_merges,
 )
-from step_bench import build_rows, rule_installer, time_interleaved  # noqa: E402
+from step_bench import (  # noqa: E402
+    build_rows,
+    compile_modes,
+    compiled_rows,
+    ratio,
+    rule_installer,
+    time_interleaved,
+)
 
 STREAMS = 4
 # the project's variants listed first, in this order: (label, method name, patch options)
@@ -118,11 +131,19 @@ def run(args) -> list[dict]:
     only = [o.strip() for o in args.only.split(",")] if args.only else None
     chosen = [v for v in variants(idx[:2]) if only is None or v[0] in only]
     rows = build_rows(base, chosen)
+    for mode in args.compile:
+        rows += compiled_rows(rows, mode)
     return time_interleaved(rows, idx, reps=args.reps, warmup=args.warmup, dtype=args.dtype)
 
 
+def _column(rows: list[dict], mode) -> dict:
+    """``{label: row}`` of the rows of one column (``mode`` None: eager)."""
+    return {r["label"]: r for r in rows if r.get("mode") == mode}
+
+
 def report(rows: list[dict], args) -> str:
-    plain = rows[0]
+    eager = _column(rows, None)
+    plain = eager["plain"]
     head = (f"nanoGPT {args.layers} layers, C={args.C}, T={args.T}, batch {args.batch}, training step (fwd+bwd+AdamW), "
             f"{args.dtype} {args.device}, threads={torch.get_num_threads()}, {args.reps} interleaved reps, median "
             f"wall clock; torch {torch.__version__}")
@@ -141,22 +162,45 @@ def report(rows: list[dict], args) -> str:
             print("ResController compiled CPU region: not used (no C++ compiler, LIGHTNING_RESCTL_COMPILE=0 or GPU)")
     except Exception:  # noqa: BLE001
         pass
-    print(f"plain: {plain['median'] * 1e3:.1f} ms/step, {plain['saved'] / 2**20:.1f} MiB saved for backward")
+    print(f"plain: {plain['median'] * 1e3:.1f} ms/step, {plain['saved'] / 2**20:.1f} MiB saved for backward"
+          if plain.get("median") else f"plain: {plain['note']}")
     print(f"{'variant':<40}{'step ratio':>11}{'saved ratio':>12}{'ms/step':>9}{'first step s':>13}  note")
-    md = ["| variant | step-time ratio to plain | saved-bytes ratio |", "|---|---|---|"]
-    for r in rows:
-        if r.get("median") is None:
-            print(f"{r['label']:<40}{'-':>11}{'-':>12}{'-':>9}{'-':>13}  {r['note']}")
-            md.append(f"| {r['label']} | {r['note']} | – |")
-            continue
-        t = r["median"] / plain["median"]
-        b = r["saved"] / plain["saved"]
-        print(f"{r['label']:<40}{t:>11.3f}{b:>12.3f}{r['median'] * 1e3:>9.1f}{r['first']:>13.2f}  {r['note'] or ''}")
-        md.append(f"| {r['label']} | {t:.3f}× | {b:.3f}× |")
+    md_head = "| variant | step-time ratio to plain | saved-bytes ratio |"
+    md_sep = "|---|---|---|"
+    for mode in args.compile:
+        md_head += (f" compiled ({mode}): step-time ratio to compiled plain | saved-bytes ratio | vs its eager step |"
+                    f" compile s (ratio to plain's) |")
+        md_sep += "---|---|---|---|"
+    md = [md_head, md_sep]
+    for label, r in eager.items():
+        t, b = ratio(r, plain, "median"), ratio(r, plain, "saved")
+        if t is None:
+            print(f"{label:<40}{'-':>11}{'-':>12}{'-':>9}{'-':>13}  {r['note']}")
+            line = f"| {label} | {r['note']} | – |"
+        else:
+            print(f"{label:<40}{t:>11.3f}{b:>12.3f}{r['median'] * 1e3:>9.1f}{r['first']:>13.2f}  {r['note'] or ''}")
+            line = f"| {label} | {t:.3f}× | {b:.3f}× |"
+        for mode in args.compile:
+            line += " " + _compiled_cells(label, r, _column(rows, mode), mode)
+        md.append(line)
     table = "\n".join(md)
     print("\nMarkdown (README):\n")
     print(table)
     return table
+
+
+def _compiled_cells(label: str, eager_row: dict, column: dict, mode: str) -> str:
+    """The compiled column's cells of one variant (printed on a line of their own too)."""
+    row, plain = column.get(label, {}), column.get("plain", {})
+    t, b = ratio(row, plain, "median"), ratio(row, plain, "saved")
+    if t is None:
+        note = row.get("note") or eager_row.get("note") or "not run"
+        print(f"  compiled ({mode}): {note}")
+        return f"{note} | – | – | – |"
+    own, compile_ratio = ratio(row, eager_row, "median"), ratio(row, plain, "first")
+    print(f"  compiled ({mode}): step ratio {t:.3f}, saved ratio {b:.3f}, {row['median'] * 1e3:.1f} ms/step, "
+          f"vs its eager step {own:.3f}, compile (first step) {row['first']:.1f} s = {compile_ratio:.2f}x plain's")
+    return f"{t:.3f}× | {b:.3f}× | {own:.3f}× | {row['first']:.1f} s ({compile_ratio:.2f}×) |"
 
 
 def main(argv=None) -> None:
@@ -166,6 +210,9 @@ def main(argv=None) -> None:
     p.add_argument("--only", default="", help="comma-separated variant labels to run (default: all)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast")
+    p.add_argument("--compile", type=compile_modes, default=["default"],
+                   help="comma-separated torch.compile modes for the compiled columns (default: 'default'; "
+                        "'none': eager only)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

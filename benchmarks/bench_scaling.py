@@ -1,7 +1,7 @@
 """Cost of every merge rule as the model grows: step-time and saved-bytes ratio to plain over depth x width.
 
     python benchmarks/bench_scaling.py [--depths 12,24,48] [--widths 128,256,512] [--rules NAMES] [--reps 15]
-                                       [--threads N] [--out docs/results/bench_scaling_cpu]
+                                       [--threads N] [--compile default | none] [--out docs/results/bench_scaling_cpu]
     python benchmarks/bench_scaling.py --profile mgr-competitive [--depths 12 --widths 128]
 
 Each cell of the grid (layers x C of the nanoGPT of ``lightning_resctl/compare/nanogpt.py``; T=64, batch 8,
@@ -12,6 +12,10 @@ bytes are the activations saved for backward by one loss. The variants of a cell
 and one AdamW (``step_bench.build_rows(share_weights=True)``: one copy of a 48-layer C=512 model's weights and
 optimizer state instead of one per rule). A fresh process per cell gives each size its own compiled CPU regions
 (a region keeps at most 8 size patterns) and returns its memory.
+
+Compiled columns (``--compile``, default "default"): plain and every rule also run as a whole-model
+``torch.compile(model, mode=...)`` in the same interleaved rotation; their tables give the ratio to the compiled
+plain model, and the compile time (the compiled first step) as a ratio to the compiled plain model's.
 
 Output: the step-time and saved-bytes tables (markdown, one column per cell), the issue's goals checked against
 them, and a plot ``<out>.png`` (ratio vs depth, one line per rule, one panel per width; step time above, saved
@@ -40,13 +44,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lightning_resctl.rules import get_merge_rule, merge_rules  # noqa: E402
 from benchmarks.models import NanoGPT, gpt_loss  # noqa: E402
-from step_bench import build_rows, ratio, rule_installer, time_interleaved  # noqa: E402
+from step_bench import build_rows, compile_modes, compiled_rows, ratio, rule_installer, time_interleaved  # noqa: E402
 
 #: (rules, width or None for every width, step-time goal, saved-bytes goal or None) — issue 24's goals.
 GOALS = [
     (("mgr-competitive", "mgr-independent"), 128, 1.25, 1.2),
     (("mgr-competitive", "mgr-independent"), 256, 1.20, 1.2),
     (("rescontroller",), None, 1.08, None),
+]
+#: (rules, width or None, step-time goal vs compiled plain, compile-time goal vs plain's) — issue 38's goals for
+#: a whole-model torch.compile ("default" mode).
+COMPILED_GOALS = [
+    (("rescontroller",), 128, 1.05, 1.5),
+    (("rescontroller",), 256, 1.03, 1.5),
+    (("mgr-competitive", "mgr-independent"), 128, 1.20, 1.5),
+    (("mgr-competitive", "mgr-independent"), 256, 1.12, 1.5),
+    (("attnres-block",), 256, 1.10, 1.5),
+    (("hc",), 256, 1.40, 1.5),
 ]
 
 
@@ -87,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: leave the machine's)")
+    p.add_argument("--compile", type=compile_modes, default=["default"],
+                   help="comma-separated torch.compile modes for the compiled tables (default: 'default'; 'none': "
+                        "eager only)")
     p.add_argument("--out", default="docs/results/bench_scaling_cpu",
                    help="path prefix of the written <out>.md and <out>.png ('' writes nothing)")
     p.add_argument("--profile", default=None, metavar="RULE", help="profile one step of RULE instead of the grid")
@@ -106,9 +123,17 @@ def run_cell(args, layers: int, width: int) -> dict:
     """Plain and every rule at one size (in this process); ``{label: {median, saved, first, note}}``."""
     base, idx = _model_and_batch(args, layers, width)
     variants = [(name, rule_installer(name, {}, idx[:2]), None) for name in args.rules]
-    rows = time_interleaved(build_rows(base, variants, share_weights=True), idx, reps=args.reps,
-                            warmup=args.warmup)
-    return {r["label"]: {k: r.get(k) for k in ("median", "saved", "first", "note")} for r in rows}
+    rows = build_rows(base, variants, share_weights=True)
+    for mode in args.compile:
+        rows += compiled_rows(rows, mode)
+    rows = time_interleaved(rows, idx, reps=args.reps, warmup=args.warmup)
+    return {_key(r["label"], r.get("mode")): {k: r.get(k) for k in ("median", "saved", "first", "note")}
+            for r in rows}
+
+
+def _key(label: str, mode=None) -> str:
+    """A cell's result key: the label, ``label@mode`` for a compiled row."""
+    return label if mode is None else f"{label}@{mode}"
 
 
 def run_grid(args) -> dict:
@@ -121,7 +146,8 @@ def run_grid(args) -> dict:
                 cmd = [sys.executable, os.path.abspath(__file__), "--cell", f"{layers},{width},{path}",
                        "--rules", ",".join(args.rules), "--heads", str(args.heads), "--T", str(args.T),
                        "--batch", str(args.batch), "--vocab", str(args.vocab), "--reps", str(args.reps),
-                       "--warmup", str(args.warmup), "--threads", str(args.threads)]
+                       "--warmup", str(args.warmup), "--threads", str(args.threads),
+                       "--compile", ",".join(args.compile) or "none"]
                 t0 = time.perf_counter()
                 proc = subprocess.run(cmd, capture_output=True, text=True)
                 if proc.returncode != 0 or not os.path.exists(path):
@@ -137,8 +163,8 @@ def run_grid(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- report
-def _cell_ratio(cell: dict, label: str, key: str):
-    row, plain = cell.get(label, {}), cell.get("plain", {})
+def _cell_ratio(cell: dict, label: str, key: str, mode=None):
+    row, plain = cell.get(_key(label, mode), {}), cell.get(_key("plain", mode), {})
     return ratio(row, plain, key)
 
 
@@ -147,16 +173,23 @@ def tables(args, results: dict) -> str:
     head = "| rule | " + " | ".join(f"C={w}, {d} layers" for d, w in cols) + " |"
     sep = "|---|" + "---|" * len(cols)
     out = []
-    for key, title in (("median", "Step time vs plain"), ("saved", "Saved-for-backward bytes vs plain")):
+    kinds = [(None, "median", "Step time vs plain"), (None, "saved", "Saved-for-backward bytes vs plain")]
+    for mode in args.compile:
+        kinds += [(mode, "median", f"Whole-model torch.compile (mode={mode!r}): step time vs compiled plain"),
+                  (mode, "saved", f"torch.compile (mode={mode!r}): saved-for-backward bytes vs compiled plain"),
+                  (mode, "first", f"torch.compile (mode={mode!r}): compile time (first step) vs compiled plain's")]
+    for mode, key, title in kinds:
         out += [f"**{title}**", "", head, sep]
-        if key == "median":
-            ms = [results[c]["plain"].get("median") for c in cols]
-            out.append("| plain (ms/step) | " + " | ".join(f"{m * 1e3:.1f}" if m else "–" for m in ms) + " |")
+        if key in ("median", "first"):
+            what = "ms/step" if key == "median" else "first step, s"
+            ms = [results[c].get(_key("plain", mode), {}).get(key) for c in cols]
+            scale = 1e3 if key == "median" else 1.0
+            out.append(f"| plain ({what}) | " + " | ".join(f"{m * scale:.1f}" if m else "–" for m in ms) + " |")
         for name in args.rules:
             cells = []
             for c in cols:
-                r = _cell_ratio(results[c], name, key)
-                cells.append(f"{r:.3f}×" if r is not None else (results[c].get(name, {}).get("note") or "–"))
+                r = _cell_ratio(results[c], name, key, mode)
+                cells.append(f"{r:.3f}×" if r is not None else (results[c].get(_key(name, mode), {}).get("note") or "–"))
             out.append(f"| `{name}` | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
@@ -181,6 +214,33 @@ def goal_lines(args, results: dict) -> list[str]:
                 verdict = "met" if worst[2] <= goal and len(measured) == len(got) else "MISSED"
                 lines.append(f"- `{name}` {what} <= {goal:.2f}x at {where}: worst {worst[2]:.3f}x "
                              f"({worst[0]} layers, C={worst[1]}) -> {verdict}")
+    if "default" in args.compile:
+        lines += _compiled_goal_lines(args, results, "default")
+    return lines
+
+
+def _compiled_goal_lines(args, results: dict, mode: str) -> list[str]:
+    """Issue 38's goals of a whole-model compile: step time vs compiled plain, compile time vs plain's, and never
+    slower compiled than eager."""
+    lines = []
+    for names, width, step_goal, compile_goal in COMPILED_GOALS:
+        for name in names:
+            cells = [(d, width) for d in args.depths if width in args.widths and name in args.rules]
+            for key, goal, what in (("median", step_goal, "compiled step time"),
+                                    ("first", compile_goal, "compile time")):
+                got = [(d, w, _cell_ratio(results[(d, w)], name, key, mode)) for d, w in cells]
+                measured = [g for g in got if g[2] is not None]
+                if not measured:
+                    continue
+                worst = max(measured, key=lambda g: g[2])
+                verdict = "met" if worst[2] <= goal and len(measured) == len(got) else "MISSED"
+                lines.append(f"- `{name}` {what} <= {goal:.2f}x at C={width}: worst {worst[2]:.3f}x "
+                             f"({worst[0]} layers) -> {verdict}")
+    for (d, w), cell in sorted(results.items()):
+        for name in args.rules:
+            own = ratio(cell.get(_key(name, mode), {}), cell.get(name, {}), "median")
+            if own is not None and own > 1.0:
+                lines.append(f"- `{name}` slower compiled than eager at {d} layers, C={w}: {own:.3f}x its eager step")
     return lines
 
 
@@ -268,14 +328,14 @@ def main(argv=None) -> None:
     goals = goal_lines(args, results)
     print("\n" + text)
     if goals:
-        print("Goals (issue 24):\n" + "\n".join(goals))
+        print("Goals (issues 24, 38):\n" + "\n".join(goals))
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd = "python benchmarks/bench_scaling.py " + " ".join(sys.argv[1:] if argv is None else argv)
         body = [f"`{cmd.strip()}`", "", machine_line(args), "", text]
         if goals:
-            body += ["Goals (issue 24):", ""] + goals + [""]
+            body += ["Goals (issues 24, 38):", ""] + goals + [""]
         out.with_suffix(".md").write_text("\n".join(body))
         plot(args, results, str(out.with_suffix(".png")))
         print(f"\nwrote {out.with_suffix('.md')} and {out.with_suffix('.png')}")

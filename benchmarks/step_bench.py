@@ -4,12 +4,14 @@
 * :func:`rule_installer` — an installer ``model -> model`` that patches a model with one of the project's rules;
 * :func:`build_rows` — one row per variant (``{"label", "model", "note"}``; a variant that fails to build keeps
   its reason as the note and no model);
+* :func:`compiled_rows` — the same models under a whole-model ``torch.compile`` (a compiled column);
 * :func:`time_interleaved` — the step of every built variant, interleaved, then the saved-for-backward bytes.
 
 A step is forward, next-token loss, backward and an AdamW step. Every repetition runs one step of each variant in a
 rotating order (slow phases of a shared machine hit every variant alike); the first step of each variant is timed
 apart (``first``: one-time costs such as the compile of a CPU region) and ``warmup`` more steps are not timed.
-Saved bytes: activations saved for backward by one loss (each storage once, parameters left out).
+Saved bytes: activations saved for backward by one loss (each storage once, parameters left out); for a compiled
+row, what AOTAutograd's partitioner chose to save. A compiled row's first step holds its compile (``first``).
 
 ``share_weights=True`` (``bench_scaling.py``) builds every variant on the *same* parameter tensors of the base model
 (their own rule parameters apart) with one AdamW over all of them: a parameter without a gradient is skipped by
@@ -36,7 +38,8 @@ from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
 from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
 from benchmarks.models import gpt_loss  # noqa: E402
 
-__all__ = ["rule_installer", "build_rows", "time_interleaved", "ratio", "first_line"]
+__all__ = ["rule_installer", "build_rows", "compiled_rows", "compile_modes", "time_interleaved", "ratio",
+           "first_line"]
 
 
 def first_line(err: BaseException, width: int = 80) -> str:
@@ -91,6 +94,27 @@ def build_rows(base: torch.nn.Module, variants: list, *, share_weights: bool = F
         for r in live:
             r["opt"] = torch.optim.AdamW(r["model"].parameters(), lr=lr)
     return rows
+
+
+def compile_modes(text: str) -> list[str]:
+    """``--compile`` of the step benchmarks: comma-separated ``torch.compile`` modes ("default",
+    "reduce-overhead", "max-autotune", ...) for the compiled columns; "none" (or "") for none."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    return [] if modes == ["none"] else modes
+
+
+def compiled_rows(rows: list[dict], mode: str) -> list[dict]:
+    """One row per row with a model: that model (the same weights and optimizer) under a whole-model
+    ``torch.compile(model, mode=mode)``, with its label and ``"mode": mode`` (eager rows have no mode). Timed
+    interleaved with the eager rows; its first step holds the compile. Dynamo's recompile limits are raised to
+    the number of models: every variant recompiles the same forward code (a limit reached would run the model
+    eagerly, silently)."""
+    models = sum(r["model"] is not None for r in rows)
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * models)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 64 * models)
+    return [{"label": r["label"], "model": torch.compile(r["model"], mode=mode), "opt": r["opt"], "note": None,
+             "mode": mode} for r in rows if r["model"] is not None]
 
 
 def time_interleaved(rows: list[dict], idx: torch.Tensor, *, reps: int, warmup: int,

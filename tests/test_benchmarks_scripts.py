@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-STEPS = ["kernel-tests", "kernels-aot", "bench-rescontroller", "bench-mgr", "bench-peers"]
+STEPS = ["kernel-tests", "kernels-aot", "bench-rescontroller", "bench-mgr", "bench-peers", "bench-compiled"]
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -27,11 +27,12 @@ def test_dry_run_lists_the_steps_in_order():
     assert res.returncode == 0, res.stderr
     listed = re.findall(r"^(\d+)\. (\S+) \(limit (\d+) s\): (.+)$", res.stdout, flags=re.M)
     assert [name for _, name, _, _ in listed] == STEPS
-    assert [int(i) for i, _, _, _ in listed] == [1, 2, 3, 4, 5]
+    assert [int(i) for i, _, _, _ in listed] == list(range(1, len(STEPS) + 1))
     assert sum(int(limit) for _, _, limit, _ in listed) <= 10 * 60  # the whole check fits in 10 minutes
     cmds = {name: cmd for _, name, _, cmd in listed}
     assert "TRITON_INTERPRET=0" in cmds["kernel-tests"] and "-k device_" in cmds["kernel-tests"]
     assert "--dtype bf16" in cmds["bench-peers"] and "--T 1024" in cmds["bench-peers"]
+    assert "--T 1024" in cmds["bench-compiled"] and "--compile default,reduce-overhead" in cmds["bench-compiled"]
     assert "--arch device" in cmds["kernels-aot"]  # the prediction for the architecture the benchmarks measure
     assert "nothing executed" in res.stdout
 

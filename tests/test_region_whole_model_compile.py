@@ -1,64 +1,97 @@
-"""Whole-model ``torch.compile`` of a patched model: the per-merge math of the torch paths (ResController, MGR) is
-one opaque op per direction, so dynamo, AOTAutograd and inductor do not trace it at every merge site (the patched
-model's graph stays about the size of the unpatched one); the numbers equal the eager model's."""
+"""Whole-model ``torch.compile`` of a patched model: the compiler sees every rule's merge math (plain aten ops in
+the forward and backward graphs AOTAutograd hands to inductor, the closed-form backward of ResController and MGR
+traced from their ``autograd.Function``), so inductor can fuse it with its neighbours; no graph break
+(``fullgraph=True``), on a model with out-of-place merges (``x = x + f(x)``) and one with in-place merges
+(``h += x``); the gradients equal the eager patched model's. What the partitioner saves for backward stays within
+the rules' goal (<= 1.2x the compiled plain model's activation bytes)."""
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
+from torch import nn
 
+from lightning_resctl.runtime.backends import COMPILE_ENV
 from lightning_resctl.surgery import patch_residuals
+from benchmarks.compiled_graph import GraphCapture, opaque_calls
 from benchmarks.models import NanoGPT, gpt_loss
 
-OPS = {"rescontroller": "lightning_resctl.rescontroller_torch", "mgr-competitive": "lightning_resctl.mgr_step_torch"}
+RULES = ["add", "rescontroller", "mgr-competitive", "mgr-independent", "attnres", "attnres-block", "hc", "mhc",
+         "mhc-lite"]
 
 
-def _capture(graphs):
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        from torch._dynamo.backends.common import aot_autograd
+class InPlaceNet(nn.Module):
+    """A residual MLP whose merges are in place, torchvision style: ``out = f(x); out += x``."""
 
-        return aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g)(gm, example_inputs)
-    return backend
+    def __init__(self, dim: int = 16, depth: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.layers = nn.ModuleList([nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU(),
+                                                   nn.Linear(dim, dim)) for _ in range(depth)])
+        self.out = nn.Linear(dim, 3)
+        self.example_input_array = torch.randn(3, 5, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            out = layer(x)
+            out += x
+            x = out
+        return self.out(x)
 
 
-@pytest.mark.parametrize("method", sorted(OPS))
-def test_the_merge_math_is_one_op_per_site_and_the_numbers_are_eager(method):
+def _gpt():
+    return NanoGPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16), torch.randint(0, 32, (3, 8)), gpt_loss
+
+
+def _in_place():
+    return InPlaceNet(), torch.randn(3, 5, 16), lambda model, x: model(x).square().mean()
+
+
+MODELS = {"out-of-place": _gpt, "in-place": _in_place}
+
+
+def _compile_and_compare(method: str, kind: str):
+    torch._dynamo.reset()  # every test compiles the same forward code of another model
     torch.manual_seed(0)
-    model = NanoGPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
-    patch_residuals(model, method=method)  # default backend: the torch path on CPU
+    model, x, loss_fn = MODELS[kind]()
+    if method is not None:
+        patch_residuals(model, method=method)
     twin = copy.deepcopy(model)
-    idx = torch.randint(0, 32, (3, 8))
-    graphs = []
-    loss = gpt_loss(torch.compile(model, backend=_capture(graphs), fullgraph=True), idx)
+    capture = GraphCapture()
+    loss = loss_fn(torch.compile(model, backend=capture, fullgraph=True), x)  # fullgraph: a graph break raises
     loss.backward()
-    want = gpt_loss(twin, idx)
+    want = loss_fn(twin, x)
     want.backward()
-    torch.testing.assert_close(loss, want)
+    return model, twin, loss, want, capture
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("method", RULES)
+def test_the_compiler_sees_the_merge_math_and_the_gradients_are_eager(method, kind, monkeypatch):
+    monkeypatch.setenv(COMPILE_ENV, "0")  # the eager twin runs its math op by op (no background compile)
+    model, twin, loss, want, capture = _compile_and_compare(method, kind)
+    assert capture.forward and capture.backward
+    assert opaque_calls(capture.forward + capture.backward) == set()  # no opaque merge op: the math is traced
+    assert _rel(loss.detach(), want.detach()) <= 1e-6
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
-    (graph,) = graphs
-    calls = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
-    assert sum(OPS[method] in c for c in calls) == 4  # one op per merge (2 blocks x 2 merges)
-    assert not any("vector_norm" in c or "rsqrt" in c or "sigmoid" in c for c in calls)  # no per-merge math
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert _rel(p.grad, q.grad) <= 1e-6, (name, _rel(p.grad, q.grad))
 
 
-def test_the_ops_pass_torch_library_opcheck():
-    import importlib
-
-    from lightning_resctl.rules.mgr.ops import mgr_step_torch_op
-
-    rc = importlib.import_module("lightning_resctl.rules.rescontroller.ops")
-    r, u = torch.randn(3, 5, 8, requires_grad=True), torch.randn(3, 5, 8, requires_grad=True)
-    torch.library.opcheck(rc._rescontroller_op, (r, u, 0.18, 1.08, 8.0, 8.0, 1e-12, -1, "torch-eager"))
-    torch.library.opcheck(rc._rescontroller_op, (r.transpose(1, 2), u.transpose(1, 2), 0.18, 1.08, 8.0, 8.0, 1e-12,
-                                                 1, "torch-eager"))
-    for gated, competitive in [(False, False), (True, False), (True, True)]:
-        s = torch.randn(3, 5, 4 if gated else 2, 8, requires_grad=True)
-        x = torch.randn(3, 5, 8, requires_grad=True)
-        params = (torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True) if gated else None,
-                  torch.randn(4, requires_grad=True) if gated else None,
-                  torch.randn((), requires_grad=True) if competitive else None)
-        torch.library.opcheck(mgr_step_torch_op, (s, x, *params, 1e-6, "torch-eager"))
-
+@pytest.mark.parametrize("method", ["rescontroller", "attnres-block"])
+def test_what_the_partitioner_saves_stays_within_the_goal(method, monkeypatch):
+    """The activations a compiled step saves for backward (the partitioner's choice, from the closed-form
+    backward's needs) stay <= 1.2x the compiled plain model's; plain autograd of ResController's oracle saves
+    1.38x on this model. (MGR saves more compiled than eager: its inversion does not run under torch.compile,
+    docs/benchmarks.md.)"""
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    plain = _compile_and_compare(None, "out-of-place")[-1].saved_bytes()
+    patched = _compile_and_compare(method, "out-of-place")[-1].saved_bytes()
+    assert plain > 0 and patched <= 1.2 * plain, patched / plain

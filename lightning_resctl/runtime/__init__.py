@@ -19,10 +19,10 @@ from .lazy import lazy_exports as _lazy_exports
 # public name -> submodule that defines it (imported on first use)
 _EXPORTS = {
     **dict.fromkeys(("BACKENDS", "RULE_BACKENDS", "ALIASES", "COMPILE_ENV", "check_backend", "resolve_backend",
-                     "cpu_compile_available", "torch_mode", "opaque_under_compile"), "backends"),
+                     "cpu_compile_available", "torch_mode", "exporting_for_training"), "backends"),
     **dict.fromkeys(("load_kernels", "interpreter_mode", "triton_available", "triton_runs_on"), "triton"),
-    **dict.fromkeys(("autocast_off", "fp32_matmul", "fp32_bmm", "refuse_transforms", "refuse_second_derivative",
-                     "op_outputs"), "autograd"),
+    **dict.fromkeys(("autocast_off", "fp32_matmul", "fp32_bmm", "refuse_transforms", "refuse_second_derivative"),
+                    "autograd"),
     **dict.fromkeys(("COMPILE_LOCK", "trace_region"), "tracer"),
     **dict.fromkeys(("CompiledMath", "CompiledRegion", "wait_for_compiles", "region_calls"), "regions"),
     "saved_tensor_bytes": "memory",

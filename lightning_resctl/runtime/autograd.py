@@ -13,7 +13,6 @@ paths' contracts.
   ``torch.func.jvp``) and the ``torch.func`` transforms (``vmap``, ``grad``, ``jacrev`` ...) are refused
   with a message naming the backend that supports them (``backend="reference"``, plain autograd);
   :func:`refuse_second_derivative` does the same for a backward with ``create_graph=True``.
-* :func:`op_outputs` — what a ``torch.library.custom_op`` implementation returns (fresh, contiguous tensors).
 """
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ import contextlib
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["autocast_off", "fp32_matmul", "fp32_bmm", "refuse_transforms", "refuse_second_derivative", "op_outputs"]
+__all__ = ["autocast_off", "fp32_matmul", "fp32_bmm", "refuse_transforms", "refuse_second_derivative"]
 
 
 def autocast_off(device_type: str):
@@ -168,26 +167,3 @@ def refuse_second_derivative(what: str, oracle: str) -> None:
         raise RuntimeError(
             f"{what}: its closed-form backward is not differentiable, so a second derivative (a backward with "
             f"create_graph=True) is not available; {oracle} (plain autograd) has one")
-
-
-def op_outputs(fn, *args, fake: bool = False) -> tuple:
-    """``fn(*args)`` (a tuple of tensors and None) as a custom op's implementation returns it: run without autograd
-    (the op's registered backward differentiates it), None replaced by an empty tensor, every output contiguous
-    (the eager math and its compiled region may lay a view out differently; the fake implementation must say what
-    the real one returns), and every output that shares storage with an input or an earlier output copied (an op
-    returns fresh tensors). ``fake=True``: for the op's fake implementation, which runs ``fn`` on fake tensors."""
-    with torch.no_grad():
-        outs = fn(*args)
-    first = next(a for a in args if isinstance(a, torch.Tensor))
-    taken = set() if fake else {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-    fresh = []
-    for t in outs:
-        if t is None:
-            t = first.new_empty((0,))
-        elif not fake and t.untyped_storage().data_ptr() in taken:
-            t = t.clone(memory_format=torch.contiguous_format)
-        t = t.contiguous()
-        if not fake:
-            taken.add(t.untyped_storage().data_ptr())
-        fresh.append(t)
-    return tuple(fresh)

@@ -3,7 +3,9 @@
 Every rule with a fused path accepts the same names (:data:`BACKENDS`):
 
 * ``"auto"``   — the Triton kernels for CUDA tensors when Triton works, else the torch path;
-* ``"torch"``  — the torch path (fused torch ops with a closed-form backward);
+* ``"torch"``  — the torch path (fused torch ops with a closed-form backward; under a whole-model
+  ``torch.compile`` the compiler traces them; under a training-mode ``torch.export``, the rule's oracle:
+  :func:`exporting_for_training`);
 * ``"triton"`` — the fused Triton kernels (``"native"`` is an alias, for users coming from MLBricks);
 * ``"torch-eager"`` / ``"torch-compiled"`` — the torch path with its per-merge math run op by op, or as one
   inductor-compiled region per direction (:class:`~lightning_resctl.runtime.regions.CompiledRegion`), compiled
@@ -27,7 +29,7 @@ import torch
 from .triton import triton_runs_on
 
 __all__ = ["BACKENDS", "RULE_BACKENDS", "ALIASES", "COMPILE_ENV", "check_backend", "resolve_backend",
-           "cpu_compile_available", "torch_mode", "opaque_under_compile"]
+           "cpu_compile_available", "torch_mode", "exporting_for_training"]
 
 #: Backend names every rule with a fused path accepts.
 BACKENDS = ("auto", "torch", "triton", "native", "torch-eager", "torch-compiled")
@@ -102,10 +104,10 @@ def torch_mode(backend: str, tensor) -> str:
     return "background" if on_cpu and cpu_compile_available() else "eager"
 
 
-def opaque_under_compile() -> bool:
-    """Whether a rule's torch path runs as one opaque op (``torch.library.custom_op``) per direction: under
-    ``torch.compile`` but not ``torch.export`` (whose programs must stay plain aten ops). Dynamo, AOTAutograd and
-    inductor then do not trace the per-merge math (which ran at every merge site of the model: about twice the
-    graph of the unpatched model); at run time the op runs the math as :func:`torch_mode` says for the backend (the
-    compiled regions on CPU)."""
-    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+def exporting_for_training(*tensors) -> bool:
+    """Whether ``torch.export`` is recording a program whose outputs autograd will differentiate (grad mode on, one
+    of ``tensors`` requires grad). A closed-form ``autograd.Function``'s backward is not part of an exported
+    program (torch.export records its forward under no_grad, or refuses its ``out=`` ops), so a rule's torch path
+    then records its plain-autograd oracle (``backend="reference"``): the same math, differentiated by autograd."""
+    return (torch.compiler.is_exporting() and torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors))

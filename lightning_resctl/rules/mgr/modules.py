@@ -9,13 +9,13 @@ import torch
 from torch import Tensor, nn
 
 from ...runtime.triton import triton_available
-from ...runtime.backends import opaque_under_compile, resolve_backend, torch_mode
+from ...runtime.backends import exporting_for_training, resolve_backend, torch_mode
 from ...runtime.autograd import autocast_off, refuse_transforms
 from ..checks import check_int
 from ..common import check_rule_backend
 from .config import MGRConfig
 from .inversion import InvertRun
-from .ops import MGRStepFn, TieZeroGrad, _kernels, mgr_step_torch_op
+from .ops import MGRStepFn, _kernels, tie_zero_grad
 from .reference import MGRInit, attn_pool_reference, mgr_bias_init, mgr_gates_reference, mgr_step_reference
 
 __all__ = ["MGRPool", "MGRMerge", "MGRRun", "MGRChain"]
@@ -317,8 +317,8 @@ class MGRChain(nn.Module):
         gq, gb, fb = merge.gate_params()
         backend = self.resolved_backend(streams)
         if k == 0 and torch.is_grad_enabled() and merge.pool_query.requires_grad and not _transformed():
-            u = TieZeroGrad.apply(u, merge.pool_query)  # (for DDP; not under torch.func / forward-mode AD)
-        if backend == "reference":
+            u = tie_zero_grad(u, merge.pool_query)  # (for DDP; not under torch.func / forward-mode AD)
+        if backend == "reference" or (backend != "triton" and exporting_for_training(streams, u, wq, gq, gb, fb)):
             return mgr_step_reference(streams, u, wq, gq, gb, fb, self.gating, self.eps)
         refuse_transforms(f"MGR (fused step, backend={backend!r})", "backend='reference'", streams, u, wq, gq, gb, fb)
         run = self._current_run(streams)
@@ -328,13 +328,17 @@ class MGRChain(nn.Module):
             with autocast_off(streams.device.type):  # the fused op's own torch ops in fp32
                 out, h, _, _ = _kernels().mgr_step(streams, u, wq, gq, gb, fb, self.eps)
             return out, h
-        if run is None and opaque_under_compile():  # the torch path as one op per direction (runtime.backends.opaque_under_compile)
-            out, h, _, _ = mgr_step_torch_op(streams, u, wq, gq, gb, fb, self.eps, backend)
-            return out, h
-        # "torch" on CPU: one compiled region per direction when a C++ compiler is present (lightning_resctl.runtime.backends)
+        # "torch" on CPU: one compiled region per direction when a C++ compiler is present (lightning_resctl.runtime.
+        # backends); under torch.compile the mode is "eager" and dynamo inlines the Function: the compiler traces the
+        # step and its closed-form backward
         mode = "triton" if backend == "triton" else torch_mode(backend, streams)
         cfg = (mode, self.eps, run, k, k == self.num_merges - 1)
-        return MGRStepFn.apply(streams, u, wq, gq, gb, fb, cfg)
+        out, h = MGRStepFn.apply(streams, u, wq, gq, gb, fb, cfg)
+        if torch.compiler.is_compiling():
+            # the chain hands ``out`` to the next merge, also across checkpointed blocks' subgraphs: as the Function's
+            # own output dynamo cannot lift it into the next block's subgraph, as a view made here it can
+            out = out.view_as(out)
+        return out, h
 
     def skip(self, k: int, streams: Tensor) -> tuple[Tensor, Tensor]:
         """Ablation of merge k's branch: gated merges leave the streams unchanged; accumulating merges append a

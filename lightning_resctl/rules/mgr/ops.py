@@ -17,13 +17,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...runtime.autograd import op_outputs, refuse_second_derivative, autocast_off
+from ...runtime.autograd import refuse_second_derivative, autocast_off
 from ...runtime.backends import torch_mode
 from ...runtime.regions import CompiledMath
 from ..common import compute_dtype, kernel_loader
 from .inversion import output_streams, reconstruct_inputs
 
-__all__ = ["MGRStepFn", "TieZeroGrad", "torch_step_forward", "torch_step_backward", "mgr_step_torch_op"]
+__all__ = ["MGRStepFn", "TieZeroGrad", "tie_zero_grad", "torch_step_forward", "torch_step_backward"]
 
 
 def _gates_from_logits(z: Tensor, forget_bias: Optional[Tensor]) -> Tensor:
@@ -247,76 +247,10 @@ class TieZeroGrad(torch.autograd.Function):
         return g, torch.zeros(shape, dtype=dtype, device=device)
 
 
-# ----------------------------------------------------------------------------------------------
-# under torch.compile: the torch path's step as two opaque ops (lightning_resctl.runtime.backends.opaque_under_compile),
-# run as torch_mode(backend) says when the compiled model runs; no inversion there (the chain does not invert
-# under torch.compile), the backward recomputes the merged streams and the per-row statistics
-# ----------------------------------------------------------------------------------------------
-def _step_forward_shaped(fwd, streams, u, next_query, gate_query, gate_bias, forget_bias, eps):
-    out, h, beta, a, _ = fwd(streams, u, next_query, gate_query, gate_bias, forget_bias, eps)
-    return out, h, beta, a
-
-
-def _step_backward_shaped(bwd, streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias, grad_out, grad_h,
-                          eps):
-    m, c = streams.shape[-2], streams.shape[-1]
-    grad_out = grad_out.reshape(-1, grad_out.shape[-2], c) if grad_out is not None else None
-    grad_h = grad_h.reshape(-1, c) if grad_h is not None else None
-    ds, du, dq, db, df, dw = bwd(streams.reshape(-1, m, c), u.reshape(-1, c), beta if gate_query is not None else None,
-                                 a, None, None, next_query, gate_query, forget_bias, grad_out, grad_h, eps)
-    return ds.reshape(streams.shape), du.reshape(u.shape), dq, db, df, dw
-
-
-@torch.library.custom_op("lightning_resctl::mgr_step_torch", mutates_args=())
-def mgr_step_torch_op(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
-                       gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], eps: float,
-                       backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(streams', h, beta, a)`` of :func:`torch_step_forward` (beta, a flattened over the leading dims; beta
-    empty for an accumulating merge)."""
-    fwd = _torch_fns(torch_mode(backend, streams))[0]
-    return op_outputs(lambda *args: _step_forward_shaped(fwd, *args), streams, u, next_query, gate_query, gate_bias,
-                      forget_bias, eps)
-
-
-@mgr_step_torch_op.register_fake
-def _(streams, u, next_query, gate_query, gate_bias, forget_bias, eps, backend):
-    return op_outputs(lambda *args: _step_forward_shaped(torch_step_forward, *args), streams, u, next_query,
-                      gate_query, gate_bias, forget_bias, eps, fake=True)
-
-
-@torch.library.custom_op("lightning_resctl::mgr_step_torch_backward", mutates_args=())
-def _mgr_step_torch_backward_op(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_query: Tensor,
-                                gate_query: Optional[Tensor], gate_bias: Optional[Tensor],
-                                forget_bias: Optional[Tensor], grad_out: Optional[Tensor], grad_h: Optional[Tensor],
-                                eps: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(d_streams, d_u, d_gate_query, d_gate_bias, d_forget_bias, d_next_query)`` of :func:`torch_step_backward`
-    (absent parameters get empty tensors)."""
-    bwd = _torch_fns(torch_mode(backend, streams))[1]
-    return op_outputs(lambda *args: _step_backward_shaped(bwd, *args), streams, u, beta, a, next_query, gate_query,
-                      gate_bias, forget_bias, grad_out, grad_h, eps)
-
-
-@_mgr_step_torch_backward_op.register_fake
-def _(streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias, grad_out, grad_h, eps, backend):
-    return op_outputs(lambda *args: _step_backward_shaped(torch_step_backward, *args), streams, u, beta, a,
-                      next_query, gate_query, gate_bias, forget_bias, grad_out, grad_h, eps, fake=True)
-
-
-def _op_setup_context(ctx, inputs, output):
-    streams, u, next_query, gate_query, gate_bias, forget_bias, eps, backend = inputs
-    _, _, beta, a = output
-    ctx.save_for_backward(streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias)
-    ctx.opts = (eps, backend)
-    ctx.mark_non_differentiable(beta, a)
-
-
-def _op_backward(ctx, grad_out, grad_h, _grad_beta, _grad_a):
-    streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias = ctx.saved_tensors
-    ds, du, dq, db, df, dw = _mgr_step_torch_backward_op(streams, u, beta, a, next_query, gate_query, gate_bias,
-                                                         forget_bias, grad_out, grad_h, *ctx.opts)
-    gated = gate_query is not None
-    return (ds, du, dw, dq if gated else None, db if gated else None, df if forget_bias is not None else None,
-            None, None)
-
-
-mgr_step_torch_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+def tie_zero_grad(x: Tensor, p: Tensor) -> Tensor:
+    """``x``, with ``p`` given an exact zero gradient (:class:`TieZeroGrad`). Under ``torch.export`` (whose
+    program records an ``autograd.Function``'s forward only, and would leave ``p`` without a gradient) the same as
+    plain ops: ``x + 0 * sum(p)``."""
+    if torch.compiler.is_exporting():
+        return x + p.sum() * 0.0
+    return TieZeroGrad.apply(x, p)

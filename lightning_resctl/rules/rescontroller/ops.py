@@ -2,7 +2,8 @@
 
 * the lean torch path — :class:`_ResControllerFunction`, an ``autograd.Function`` whose backward is the
   closed-form derivative of the rule; it saves only ``r``, ``u`` and a few per-row scalars (plain autograd of the
-  reference saves every intermediate); under ``torch.compile`` the same math as two opaque custom ops;
+  reference saves every intermediate); under a whole-model ``torch.compile`` dynamo inlines it, so the compiler
+  sees the forward math and the closed-form backward as plain ops and fuses them with the model's;
 * the Triton path — fused forward and backward kernels in ``lightning_resctl.kernels.rescontroller``,
   registered as ``torch.library`` custom ops (opaque to ``torch.compile``).
 
@@ -16,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...runtime.autograd import autocast_off, op_outputs, refuse_second_derivative, refuse_transforms
-from ...runtime.backends import opaque_under_compile, resolve_backend, torch_mode
+from ...runtime.autograd import autocast_off, refuse_second_derivative, refuse_transforms
+from ...runtime.backends import exporting_for_training, resolve_backend, torch_mode
 from ...runtime.regions import CompiledMath
 from ..common import check_rule_backend, compute_dtype, kernel_loader
 from .config import ResControllerConfig
@@ -150,55 +151,10 @@ _math_fns = CompiledMath(_lean_forward, _lean_backward)
 
 def _rescontroller_torch(residual, update, ur, sr, ku, ks, eps, dim, backend="torch"):
     refuse_transforms("rescontroller (torch path)", _ORACLE, residual, update)
-    if opaque_under_compile():
-        return _rescontroller_op(residual, update, ur, sr, ku, ks, eps, dim, backend)[0]
-    mode = torch_mode(backend, residual)
-    return _ResControllerFunction.apply(residual, update, ur, sr, ku, ks, eps, dim, mode)
+    # under torch.compile torch_mode is "eager": dynamo inlines the Function, so the compiler traces the forward
+    # math and the closed-form backward and fuses them with the model's neighbouring ops
+    return _ResControllerFunction.apply(residual, update, ur, sr, ku, ks, eps, dim, torch_mode(backend, residual))
 
-
-# Under torch.compile: the same forward / backward math as two opaque ops (lightning_resctl.runtime.backends.
-# opaque_under_compile), run as torch_mode(backend) says when the compiled model runs.
-@torch.library.custom_op("lightning_resctl::rescontroller_torch", mutates_args=())
-def _rescontroller_op(residual: Tensor, update: Tensor, ur: float, sr: float, ku: float, ks: float, eps: float,
-                      dim: int, backend: str) -> tuple[Tensor, Tensor]:
-    """``(out, stats)`` of :func:`_lean_forward`."""
-    fwd, _ = _math_fns(torch_mode(backend, residual))
-    return op_outputs(fwd, residual, update, ur, sr, ku, ks, eps, dim)
-
-
-@_rescontroller_op.register_fake
-def _(residual, update, ur, sr, ku, ks, eps, dim, backend):
-    return op_outputs(_lean_forward, residual, update, ur, sr, ku, ks, eps, dim, fake=True)
-
-
-@torch.library.custom_op("lightning_resctl::rescontroller_torch_backward", mutates_args=())
-def _rescontroller_backward_op(grad_out: Tensor, residual: Tensor, update: Tensor, stats: Tensor, ur: float,
-                               sr: float, ku: float, ks: float, eps: float, dim: int,
-                               backend: str) -> tuple[Tensor, Tensor]:
-    """``(grad_r, grad_u)`` of :func:`_lean_backward`."""
-    _, bwd = _math_fns(torch_mode(backend, residual))
-    return op_outputs(bwd, grad_out, residual, update, stats, ur, sr, ku, ks, eps, dim)
-
-
-@_rescontroller_backward_op.register_fake
-def _(grad_out, residual, update, stats, ur, sr, ku, ks, eps, dim, backend):
-    return op_outputs(_lean_backward, grad_out, residual, update, stats, ur, sr, ku, ks, eps, dim, fake=True)
-
-
-def _op_setup_context(ctx, inputs, output):
-    residual, update, *opts = inputs
-    ctx.save_for_backward(residual, update, output[1])
-    ctx.opts = opts
-    ctx.mark_non_differentiable(output[1])
-
-
-def _op_backward(ctx, grad_out, _grad_stats):
-    residual, update, stats = ctx.saved_tensors
-    grad_r, grad_u = _rescontroller_backward_op(grad_out, residual, update, stats, *ctx.opts)
-    return grad_r, grad_u, None, None, None, None, None, None, None
-
-
-_rescontroller_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 _kernels = kernel_loader("rescontroller")
 
@@ -246,7 +202,7 @@ def rescontroller(
     resolved = resolve_backend(backend, residual)
     if resolved == "triton":
         return _rescontroller_triton(residual, update, *opts, dim)
-    if resolved == "reference":
+    if resolved == "reference" or exporting_for_training(residual, update):
         return rescontroller_reference(residual, update, *opts, dim=dim)
     return _rescontroller_torch(residual, update, *opts, dim, backend)
 
