@@ -103,7 +103,7 @@ def test_the_background_notice_is_one_line_in_the_users_terms(monkeypatch, caplo
     background, the first steps run eagerly) and names none of the package's private functions."""
     monkeypatch.setattr(regions, "_NOTICES", set())
     monkeypatch.setattr(regions, "_background_compiler_for", lambda fn, tensors: _QueuedCompiler())
-    region = CompiledRegion(_counted_math)
+    region = CompiledRegion(_counted_math, rule="mgr")
     a, b = torch.randn(4, 7), torch.randn(4, 7)
     with caplog.at_level(logging.INFO, logger="lightning_resctl"):
         torch.testing.assert_close(region.background(a, b, 0.5)[0], _counted_math(a, b, 0.5)[0])
@@ -112,6 +112,7 @@ def test_the_background_notice_is_one_line_in_the_users_terms(monkeypatch, caplo
     lines = [r.getMessage() for r in caplog.records if r.name == "lightning_resctl"]
     assert len(lines) == 1, lines
     assert "_counted_math" not in lines[0] and "first steps run" in lines[0] and "eagerly" in lines[0]
+    assert "the mgr rule's" in lines[0], lines[0]  # which rule, in the name the user passed as method=
 
 
 @needs_compiler

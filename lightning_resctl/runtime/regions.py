@@ -36,15 +36,16 @@ class CompiledMath:
     callables for a :func:`torch_mode` — the plain functions for "eager" (or without a C++ compiler), the regions
     for "compiled", the regions' :meth:`CompiledRegion.background` for "background"."""
 
-    def __init__(self, *fns):
+    def __init__(self, *fns, rule: Optional[str] = None):
         self.fns = fns
+        self.rule = rule  # the rule's name, for the notices the regions print (what the user passed as method=)
         self.regions: Optional[tuple] = None
 
     def __call__(self, mode: str) -> tuple:
         if mode not in ("compiled", "background") or torch.compiler.is_compiling() or not cpu_compile_available():
             return self.fns
         if self.regions is None:
-            self.regions = tuple(CompiledRegion(fn) for fn in self.fns)
+            self.regions = tuple(CompiledRegion(fn, rule=self.rule) for fn in self.fns)
         if mode == "compiled":
             return self.regions
         return tuple(region.background for region in self.regions)
@@ -135,8 +136,9 @@ class CompiledRegion:
     first call that compiled before returning; ``compiled_calls`` / ``eager_calls`` count the calls each way
     (:func:`region_calls` sums them over the process, for tests and benchmarks)."""
 
-    def __init__(self, fn, max_graphs: int = 16):
+    def __init__(self, fn, max_graphs: int = 16, rule: Optional[str] = None):
         self.fn = fn
+        self.math = f"the {rule} rule's math" if rule else "the merge rule's math"  # how the notices name it
         self.max_graphs = max_graphs
         self.entries: dict = {}  # signature -> [(compiled, out_spec, guard), ...]
         self.pending: dict = {}  # (signature, sizes) -> background compile (a Future)
@@ -226,7 +228,7 @@ class CompiledRegion:
                 return entry
             if not self._room():
                 return None
-            _notice("compile", "lightning_resctl: compiling the merge rule's math with inductor before the first "
+            _notice("compile", f"lightning_resctl: compiling {self.math} with inductor before the first "
                                "step continues; the first compile in a process takes seconds, more with a cold "
                                "cache (backend='torch-eager' or LIGHTNING_RESCTL_COMPILE=0 skips compiling)")
             t0 = time.perf_counter()
@@ -264,7 +266,7 @@ class CompiledRegion:
             if key in self.pending or not self._room():
                 return
             compiler = _background_compiler_for(self.fn, tensors)
-            _notice("background", "lightning_resctl: compiling the merge rule's math in a background process; "
+            _notice("background", f"lightning_resctl: compiling {self.math} in a background process; "
                                   "the first steps run it eagerly (same results, slower) until it is ready")
             self.pending[key] = compiler.submit(self.fn, args, sig[1])
 

@@ -142,7 +142,7 @@ _kernels = kernel_loader("mgr")
 
 #: (forward, backward) of the torch path for a torch_mode: eager ops, or one compiled region each
 #: (lightning_resctl.runtime.backends)
-_torch_fns = CompiledMath(torch_step_forward, torch_step_backward)
+_torch_fns = CompiledMath(torch_step_forward, torch_step_backward, rule="mgr")
 
 
 def _step_forward(backend: str, streams, u, next_query, gate_query, gate_bias, forget_bias, eps):

@@ -146,7 +146,7 @@ class _ResControllerFunction(torch.autograd.Function):
 
 
 #: (forward, backward) math for a torch_mode: eager torch ops, or their compiled regions (lightning_resctl.runtime.backends)
-_math_fns = CompiledMath(_lean_forward, _lean_backward)
+_math_fns = CompiledMath(_lean_forward, _lean_backward, rule="rescontroller")
 
 
 def _rescontroller_torch(residual, update, ur, sr, ku, ks, eps, dim, backend="torch"):
