@@ -25,6 +25,7 @@ from .sites import MergeSite
 
 __all__ = ["parallelize_residuals", "tensor_parallel_modules", "refuse_tensor_parallel", "TensorParallelCheck"]
 
+
 def tensor_parallel_modules(model: nn.Module) -> list[str]:
     """Paths of the modules of ``model`` that ``parallelize_module`` (any ``ParallelStyle``) or ``distribute_module``
     gave forward hooks: the hooks that turn their inputs and outputs into ``DTensor`` s and back."""
