@@ -94,33 +94,3 @@ def test_a_data_dependent_number_of_merges_still_runs_with_a_per_merge_rule():
         return model.head(x)
 
     assert torch.isfinite(skip_middle(_x(1))).all()
-
-
-
-class CheckpointedNet(Net):
-    """Each block in non-reentrant ``torch.utils.checkpoint`` (what HF's gradient checkpointing does)."""
-
-    def forward(self, x):
-        x = self.emb(x)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        return self.head(x)
-
-
-def test_under_a_whole_model_compile_the_check_leaves_checkpointed_blocks_compiled_and_still_refuses():
-    """The per-call check must not put a side effect in a checkpointed block traced by torch.compile (dynamo then
-    refuses the checkpoint and runs the whole forward eagerly: 0 frames compiled, where the unpatched model
-    compiles), and a flag switched after the patch must still be refused when the compiled model retraces."""
-    import torch._dynamo.testing
-
-    torch.manual_seed(0)
-    model = CheckpointedNet()
-    patch_residuals(model, method="rescontroller", example_input=(_x(),))
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounter()
-    compiled = torch.compile(model, backend=counter)
-    compiled(_x(1)).sum().backward()
-    assert counter.frame_count >= 1, "the checkpointed, patched model ran eagerly under torch.compile"
-    model.blocks[1].ckpt = True                # another line: the compiled model retraces the block
-    with pytest.raises(Exception, match="flag"):
-        compiled(_x(1)).sum().backward()

@@ -25,7 +25,7 @@ from torch import nn
 from .observe import Observation
 from .plan import CONTAINERS, Plan, branch_kind, chain_dim, parallel_block, site_key, source_line
 from .report import ChainInfo, PatchReport
-from .tally import SiteTally, hook_tallies
+from .tally import hook_tallies, site_tallies
 from .sites import ChainEnd, ChainRun, ChainStart, MergeSite, ParallelPart, ParallelRun, mark_rule_module
 
 __all__ = ["bind", "Binding", "BoundMerge", "PatchState"]
@@ -293,27 +293,3 @@ def _first_float_dtype(module: nn.Module):
         if t.is_floating_point():
             return t.dtype
     return None
-
-
-def site_tallies(plan: Plan, obs: Observation, other: Optional[Observation]) -> dict:
-    """One :class:`SiteTally` per patched module of ``plan`` (``id(owner) -> (owner, tally, {site key: bit})``)
-    from the training (``obs``) and eval (``other``) observations: a site is expected in a mode when it ran at
-    least as often as its module was called there."""
-    eval_runs: dict = {}
-    for ev in (other.events if other is not None else ()):
-        if ev.owner is not None and ev.position is not None and ev.is_merge:
-            key = site_key(ev)
-            eval_runs[key] = eval_runs.get(key, 0) + 1
-    out = {}
-    for oid, (owner, _, attrs) in plan.methods.items():
-        keys = [key for key in attrs if not plan.groups[key][0].is_partial]
-        bits = {key: i for i, key in enumerate(keys)}
-        expected = {"train": 0, "eval": 0}
-        for key, bit in bits.items():
-            if len(plan.groups[key]) >= (obs.call_counts.get(oid) or 1):
-                expected["train"] |= 1 << bit
-            if other is not None and eval_runs.get(key, 0) >= (other.call_counts.get(oid) or 1):
-                expected["eval"] |= 1 << bit
-        sites = tuple(f"{plan.groups[key][0].location}: {source_line(plan.groups[key][0])!r}" for key in keys)
-        out[oid] = (owner, SiteTally(plan.paths[oid], expected, sites), bits)
-    return out

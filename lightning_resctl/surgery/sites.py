@@ -49,9 +49,17 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..rules.base import branches_sum
-from .tally import SWITCHED_LINES, traced as _traced_tally
 
-__all__ = ["MergeSite", "ChainRun", "ChainEntry", "ParallelRun", "ParallelPart", "mark_rule_module", "running_module"]
+__all__ = ["MergeSite", "ChainRun", "ChainEntry", "ParallelRun", "ParallelPart", "mark_rule_module", "running_module",
+           "SWITCHED_LINES"]
+
+#: The likely cause and the fix, in every message about observed merges that did not run.
+SWITCHED_LINES = (
+    "Likely cause: a flag switched which lines the model runs after it was patched (e.g. activation checkpointing "
+    "or another config flag turned on after patch_residuals or after the callback patched it); set such flags "
+    "before patching, or patch again: unpatch_residuals(model), then patch_residuals(...). A data-dependent skip of "
+    "merges inside a module is not supported (layer drop that skips whole blocks is, with a per-merge rule such "
+    "as method='rescontroller')")
 
 
 class ChainEntry(NamedTuple):
@@ -434,11 +442,8 @@ class MergeSite(nn.Module):
         block's input with the sum of the branches (``attn_out + mlp_out``): ``stream`` is then the partial
         sum its :class:`ParallelPart` computed."""
         tally = self._tally
-        if tally is not None:  # a graph being traced marks it at trace time (surgery/tally.py)
-            if torch.compiler.is_compiling():
-                _traced_tally(tally, "mark", self._tally_bit)
-            else:
-                tally.ran |= 1 << self._tally_bit
+        if tally is not None:
+            tally.ran |= 1 << self._tally_bit
         if self._parallel is not None:
             return self._merge_parallel(stream, update)
         if self.inplace is None or self.rule.merges_in_place:

@@ -8,92 +8,35 @@ clears it, and a forward hook checks, per mode, that every site observed to run 
 (when the model was patched) ran in this call. The check is on the module that holds the lines, so a module that
 is not called at all (layer drop in the loop that calls the blocks) is not refused, nor a loop expression that
 runs fewer times than observed.
-
-Under ``torch.compile`` the same steps run while dynamo traces (:func:`traced`), and nothing of them is in the
-graph: which lines a graph runs is fixed when it is traced (a switched flag fails its guards and the module is
-traced again), so a check at trace time holds for every run of the graph; a side effect in the graph would, inside
-a checkpointed block, make dynamo give up the whole forward. A call whose trace a graph break splits (its start and
-end in different traces) is not checked there.
 """
 from __future__ import annotations
 
-import itertools
-import weakref
+from typing import Optional
 
-import torch
+from .observe import Observation
+from .plan import Plan, site_key, source_line
+from .sites import SWITCHED_LINES
 
-__all__ = ["SWITCHED_LINES", "SiteTally", "hook_tallies", "traced"]
-
-#: The likely cause and the fix, in every message about observed merges that did not run.
-SWITCHED_LINES = (
-    "Likely cause: a flag switched which lines the model runs after it was patched (e.g. activation checkpointing "
-    "or another config flag turned on after patch_residuals or after the callback patched it); set such flags "
-    "before patching, or patch again: unpatch_residuals(model), then patch_residuals(...). A data-dependent skip of "
-    "merges inside a module is not supported (layer drop that skips whole blocks is, with a per-merge rule such "
-    "as method='rescontroller')")
+__all__ = ["SiteTally", "site_tallies", "hook_tallies"]
 
 
 class SiteTally:
     """Which merge sites of one patched module ran in its current call (a plain object, not a Module).
 
     ``ran``: the bits of the sites that ran; ``expected``: ``{"train": bits, "eval": bits}``, the sites observed
-    to run in every call of the module in that mode; ``sites``: per bit, where the site is (for messages);
-    ``key``: how a graph being traced names it (:func:`traced`)."""
+    to run in every call of the module in that mode; ``sites``: per bit, where the site is (for messages)."""
 
     def __init__(self, path: str, expected: dict, sites: tuple) -> None:
         self.path = path
         self.expected = dict(expected)
         self.sites = tuple(sites)
         self.ran = 0
-        self.key = next(_KEYS)
-        self.traced_ran = 0      # the same, for the call being traced ...
-        self.traced_in = None    # ... and the trace (a weak reference to dynamo's tracing context) it started in
-        _TALLIES[self.key] = self
 
     def __getstate__(self):
         return {"path": self.path, "expected": self.expected, "sites": self.sites}
 
     def __setstate__(self, state):
         self.__init__(state["path"], state["expected"], state["sites"])
-
-    def check(self, ran: int, training: bool, module_type: str) -> None:
-        """Raise if a site expected in this mode is not among ``ran``."""
-        missing = self.expected["train" if training else "eval"] & ~ran
-        if missing:
-            where = [site for bit, site in enumerate(self.sites) if missing >> bit & 1]
-            mode = "training" if training else "eval"
-            raise RuntimeError(
-                f"the patched merge {where[0]} of {self.path or 'the model'} ({module_type}) did not run "
-                f"in this {mode} forward, though it ran in every {mode} call when the model was patched: the module "
-                f"ran other lines instead, and their additions are not patched (not merged by the rule). "
-                f"{SWITCHED_LINES}")
-
-
-_KEYS = itertools.count()
-_TALLIES: "weakref.WeakValueDictionary[int, SiteTally]" = weakref.WeakValueDictionary()
-
-
-@torch.compiler.assume_constant_result
-def _traced_step(key: int, step: str, arg: int, training: bool, module_type: str) -> bool:
-    """One step of the tally ``key`` (``"start"``, ``"mark"`` the site of bit ``arg``, ``"end"`` of a call in
-    ``training`` mode), run once while dynamo traces; its constant result is all the graph holds of it."""
-    tally = _TALLIES[key]
-    context = torch._guards.TracingContext.try_get()
-    if step == "start":
-        tally.traced_ran, tally.traced_in = 0, (None if context is None else weakref.ref(context))
-        return True
-    same_trace = tally.traced_in is not None and context is not None and tally.traced_in() is context
-    if step == "mark":
-        tally.traced_ran |= 1 << arg
-    elif same_trace:  # "end", of a call traced whole
-        tally.traced_in = None
-        tally.check(tally.traced_ran, training, module_type)
-    return True
-
-
-def traced(tally: SiteTally, step: str, arg: int = 0, training: bool = True, module_type: str = "") -> None:
-    """Run ``tally``'s ``step`` (see :func:`_traced_step`) at trace time: for code dynamo is tracing."""
-    _traced_step(tally.key, step, arg, training, module_type)
 
 
 class TallyStart:
@@ -103,10 +46,7 @@ class TallyStart:
         self.tally = tally
 
     def __call__(self, module, args):
-        if torch.compiler.is_compiling():
-            traced(self.tally, "start")
-        else:
-            self.tally.ran = 0
+        self.tally.ran = 0
 
 
 class TallyEnd:
@@ -116,10 +56,41 @@ class TallyEnd:
         self.tally = tally
 
     def __call__(self, module, args, output):
-        if torch.compiler.is_compiling():
-            traced(self.tally, "end", training=module.training, module_type=type(module).__name__)
-        else:
-            self.tally.check(self.tally.ran, module.training, type(module).__name__)
+        tally = self.tally
+        expected = tally.expected["train" if module.training else "eval"]
+        missing = expected & ~tally.ran
+        if missing:
+            where = [site for bit, site in enumerate(tally.sites) if missing >> bit & 1]
+            mode = "training" if module.training else "eval"
+            raise RuntimeError(
+                f"the patched merge {where[0]} of {tally.path or 'the model'} ({type(module).__name__}) did not run "
+                f"in this {mode} forward, though it ran in every {mode} call when the model was patched: the module "
+                f"ran other lines instead, and their additions are not patched (not merged by the rule). "
+                f"{SWITCHED_LINES}")
+
+
+def site_tallies(plan: Plan, obs: Observation, other: Optional[Observation]) -> dict:
+    """One :class:`SiteTally` per patched module of ``plan`` (``id(owner) -> (owner, tally, {site key: bit})``)
+    from the training (``obs``) and eval (``other``) observations: a site is expected in a mode when it ran at
+    least as often as its module was called there."""
+    eval_runs: dict = {}
+    for ev in (other.events if other is not None else ()):
+        if ev.owner is not None and ev.position is not None and ev.is_merge:
+            key = site_key(ev)
+            eval_runs[key] = eval_runs.get(key, 0) + 1
+    out = {}
+    for oid, (owner, _, attrs) in plan.methods.items():
+        keys = [key for key in attrs if not plan.groups[key][0].is_partial]
+        bits = {key: i for i, key in enumerate(keys)}
+        expected = {"train": 0, "eval": 0}
+        for key, bit in bits.items():
+            if len(plan.groups[key]) >= (obs.call_counts.get(oid) or 1):
+                expected["train"] |= 1 << bit
+            if other is not None and eval_runs.get(key, 0) >= (other.call_counts.get(oid) or 1):
+                expected["eval"] |= 1 << bit
+        sites = tuple(f"{plan.groups[key][0].location}: {source_line(plan.groups[key][0])!r}" for key in keys)
+        out[oid] = (owner, SiteTally(plan.paths[oid], expected, sites), bits)
+    return out
 
 
 def hook_tallies(tallies: dict, hooks: list) -> None:
