@@ -195,9 +195,10 @@ def test_combination_gives_the_eager_non_checkpointed_step(case):
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=mode == "fullgraph"):
         got = step(run, model, x, precision)
     assert_same_step(got, want, TOL[(precision, mode != "eager")])
-    if counter is not None and (mode != "whole" or ckpt == "none"):
-        # compiled, not an eager fallback (the whole model with checkpointed blocks: dynamo runs the checkpoints
-        # eagerly, their side effects untraced, and may run the whole forward so)
+    if counter is not None and (mode != "whole" or ckpt == "none" or rule not in CHAIN):
+        # compiled, not an eager fallback (the whole model with checkpointed blocks: dynamo runs a chain rule's
+        # checkpoints eagerly, their side effects untraced, and may run the whole forward so; a per-merge rule's
+        # merge check keeps no side effect there, so the model compiles)
         assert counter.frame_count >= 1
     torch._dynamo.reset()
 
@@ -273,6 +274,35 @@ def test_per_block_compiled_checkpointed_blocks_train_two_steps_and_keep_nothing
         assert_same_step(step(run, model, _x(seed), "fp32"), step(ref, ref, _x(seed), "fp32"), TOL[("fp32", True)])
     runs = {id(s._run): s._run for s in model.modules() if getattr(s, "_run", None) is not None}
     assert runs and all(len(r.entries) == 0 for r in runs.values())
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("method", ["rescontroller", "add"])
+def test_a_per_merge_rule_compiles_a_whole_model_with_checkpointed_blocks(method):
+    """The per-call merge check (a side effect) is not kept inside a checkpoint traced into a compiled model:
+    there dynamo refuses side effects and would give up the whole forward (run it eagerly, 0 graphs)."""
+    torch._dynamo.reset()
+    model, ref = patched_pair(method, "ckpt-first")
+    run, counter = compiled(model, "whole")
+    assert_same_step(step(run, model, _x(), "fp32"), step(ref, ref, _x(), "fp32"), TOL[("fp32", True)])
+    assert counter.frame_count == 1 and counter.op_count >= 1
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("method", ["mgr-competitive", "attnres-block", "hc"])
+def test_a_checkpointed_blocks_recomputation_runs_the_graphs_its_forward_ran(method):
+    """Backward recomputes each compiled, checkpointed block with the graphs its forward compiled: a graph of its
+    own for the recomputation (a guard on the checkpoint phase) is one that inductor may partition otherwise, and
+    torch.utils.checkpoint then finds other saved tensors (CheckpointError at C=256, pytorch#166926's symptom)."""
+    torch._dynamo.reset()
+    model, ref = patched_pair(method, "ckpt-first")
+    run, counter = compiled(model, "per-block")
+    model.zero_grad(set_to_none=True)
+    logits = run(_x())
+    compiled_in_forward = counter.frame_count
+    logits.square().mean().backward()
+    assert counter.frame_count == compiled_in_forward, "the recomputation compiled graphs of its own"
+    assert_same_step(step(run, model, _x(), "fp32"), step(ref, ref, _x(), "fp32"), TOL[("fp32", True)])
     torch._dynamo.reset()
 
 

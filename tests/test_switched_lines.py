@@ -94,3 +94,21 @@ def test_a_data_dependent_number_of_merges_still_runs_with_a_per_merge_rule():
         return model.head(x)
 
     assert torch.isfinite(skip_middle(_x(1))).all()
+
+
+@pytest.mark.parametrize("method", ["rescontroller", "hc"])
+def test_a_flag_switched_after_the_patch_is_refused_in_blocks_compiled_on_their_own(method):
+    """The check holds where each block is compiled on its own (dynamo traces its hooks and merges): the switched
+    block recompiles on the flag and its forward is refused as in eager code."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    patch_residuals(model, method=method, example_input=(_x(),))
+    for block in model.blocks:
+        block.compile(backend="aot_eager")
+    model(_x(1)).sum().backward()
+    model.blocks[1].ckpt = True
+    with pytest.raises(RuntimeError, match="flag") as err:
+        model(_x(1)).sum().backward()
+    assert "blocks.1" in str(err.value)
+    torch._dynamo.reset()

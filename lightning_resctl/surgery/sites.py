@@ -441,9 +441,8 @@ class MergeSite(nn.Module):
         The last addition of a parallel block (``return mlp_out + x`` after ``x = attn_out + x``) merges the
         block's input with the sum of the branches (``attn_out + mlp_out``): ``stream`` is then the partial
         sum its :class:`ParallelPart` computed."""
-        tally = self._tally
-        if tally is not None:
-            tally.ran |= 1 << self._tally_bit
+        if self.rule.kind != "chain":  # a chain merge marks it in its bookkeeping (eager code under the recipe)
+            self._mark_ran()
         if self._parallel is not None:
             return self._merge_parallel(stream, update)
         if self.inplace is None or self.rule.merges_in_place:
@@ -454,6 +453,12 @@ class MergeSite(nn.Module):
         else:
             target, update = update, update.clone()
         return self._write(target, self._merge(stream, update, origin))
+
+    def _mark_ran(self) -> None:
+        """Mark in this site's module tally (:mod:`.tally`) that the site ran in the module's current call."""
+        tally = self._tally
+        if tally is not None and counting():
+            tally.ran |= 1 << self._tally_bit
 
     def _merge_parallel(self, partial: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         par = self._parallel
@@ -533,10 +538,9 @@ class MergeSite(nn.Module):
         if state is None:
             state = rule.start(chain, s)
             lead = s.shape[:-1]
-            if phase != "recompute":  # observers read the state entering this merge from the run (chain_state)
-                run.state, run.lead = state, lead
         self.current_position = k
-        if self.observer is not None and phase != "recompute":
+        if self.observer is not None and phase != "recompute":  # (no branch on the phase in the math's graph)
+            run.state, run.lead = state, lead  # observers read the state entering this merge (chain_state)
             self.observer(self, stream, update, rule.streams(chain, state))
         if u.shape[:-1] != lead:  # the model re-viewed the stream between merges (e.g. reshape(-1, C))
             u = u.reshape(lead + u.shape[-1:])
@@ -634,6 +638,7 @@ def _enter_chain(site: MergeSite, run: ChainRun, stream: torch.Tensor, origin: t
     region, the state comes from the entry the forward left on ``origin`` and the live run is not touched;
     otherwise the merge's position is checked against the live run, and inside a checkpointed region the
     state entering it is remembered for the recomputation."""
+    site._mark_ran()  # here, not in the compiled forward: read there, the tally's int would be guarded per merge
     if phase == "now":
         phase = _checkpoint_phase()
     if phase == "recompute":
@@ -681,6 +686,24 @@ def _move_entry(run: ChainRun, merged: torch.Tensor, out: torch.Tensor) -> None:
     entry = run.entries.get(merged)
     if entry is not None:
         run.entries[out] = entry._replace(version=out._version)
+
+
+@torch.compiler.assume_constant_result
+def _traced_in_higher_order_op() -> bool:
+    """True while dynamo traces the body of a higher-order op (``torch.utils.checkpoint`` inside a compiled model),
+    where it refuses side effects; a constant of the trace (no guard)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        return InstructionTranslator.current_tx().output.current_tracer.parent is not None
+    except (ImportError, AttributeError):  # another torch: count as outside (the side effect is then traced)
+        return False
+
+
+def counting() -> bool:
+    """Whether a module's merge tally (:mod:`.tally`) is kept in this call: always, except in a checkpointed region traced into a compiled
+    model (a higher-order op's body), where a side effect would make dynamo give up the whole frame (run it
+    eagerly); the module's hooks and its merges are then traced in the same body, so none of them counts."""
+    return not torch.compiler.is_compiling() or not _traced_in_higher_order_op()
 
 
 @torch.compiler.assume_constant_result

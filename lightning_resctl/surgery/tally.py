@@ -15,7 +15,7 @@ from typing import Optional
 
 from .observe import Observation
 from .plan import Plan, site_key, source_line
-from .sites import SWITCHED_LINES
+from .sites import SWITCHED_LINES, counting
 
 __all__ = ["SiteTally", "site_tallies", "hook_tallies"]
 
@@ -46,7 +46,8 @@ class TallyStart:
         self.tally = tally
 
     def __call__(self, module, args):
-        self.tally.ran = 0
+        if counting():
+            self.tally.ran = 0
 
 
 class TallyEnd:
@@ -56,6 +57,8 @@ class TallyEnd:
         self.tally = tally
 
     def __call__(self, module, args, output):
+        if not counting():
+            return
         tally = self.tally
         expected = tally.expected["train" if module.training else "eval"]
         missing = expected & ~tally.ran
