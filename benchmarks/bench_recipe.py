@@ -11,8 +11,8 @@ then each block compiled on its own (``block.compile(backend=...)``), then each 
 the first step (its compile time, shown apart) and ``--warmup`` steps; peak memory: the allocator's peak over the
 forward and backward of one loss beyond what it held before (``torch.profiler`` memory events, as
 ``bench_checkpoint_memory.py`` measures it). Each block of a patched model compiles its own graphs (its merges are
-other positions of the chain), so dynamo's ``recompile_limit`` is raised to 4 graphs per block for every
-variant. Prints one markdown table: ms/step, step time / plain, peak MiB, peak / plain, first step.
+other positions of the chain), and the rules' merges share code objects, so dynamo's ``recompile_limit`` is raised
+to 4 graphs per block per rule measured. Prints one markdown table: ms/step, step time / plain, peak MiB, peak / plain, first step.
 """
 from __future__ import annotations
 
@@ -57,7 +57,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     rules = args.rules or default_rules()
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * args.layers)
+    # the rules' merges share code objects (one resume frame of the chain's merge): graphs per block for every rule
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * args.layers * len(rules))
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                           8 * args.layers * len(rules))
     torch.manual_seed(0)
     base = NanoGPT(vocab_size=args.vocab, block_size=args.T, n_layer=args.layers, n_head=args.heads, n_embd=args.C)
     idx = torch.randint(0, args.vocab, (args.batch, args.T), generator=torch.Generator().manual_seed(0))
