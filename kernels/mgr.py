@@ -39,8 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_resctl.runtime.triton import interpreter_mode
-
+from ._env import interpreter_mode
 from .rows import token_stride
 from .tiles import Launch, StreamTile, device_arch, mgr_tile, persistent_programs, residency_key
 

@@ -37,8 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_resctl.runtime.triton import interpreter_mode
-
+from ._env import interpreter_mode
 from .rows import row_grid
 from .tiles import Launch, RowTile, device_arch, rescontroller_tile
 
@@ -66,7 +65,7 @@ def _inv_scale(mx, THRESHOLD: tl.constexpr):
 @triton.jit
 def _chain(srr, suu, sru, d, ur, sr, ku, ks, eps, inv_k):
     """The per-row chain from the row sums of r/k, u/k (eps/k^2 inside square roots, eps/k beside the RMS
-    values: the same rule, see ``_row_inv_scale`` in lightning_resctl.rules.rescontroller.reference); returns the
+    values: the same rule, see ``row_inv_scale`` in lightning_resctl.rules.rescontroller.reference); returns the
     values the backward needs too."""
     eps1 = eps * inv_k
     eps2 = eps1 * inv_k

@@ -6,8 +6,8 @@ from torch import Tensor, nn
 from ..common import check_rule_backend
 from .config import ResControllerConfig
 from ...runtime.backends import resolve_backend
-from .ops import rescontroller
-from .reference import _check_dim_type
+from .ops import rescontroller_merge
+from .reference import check_dim_type, check_tensors
 
 __all__ = ["ResController"]
 
@@ -35,7 +35,7 @@ class ResController(nn.Module):
         (self.update_ratio, self.stream_ratio, self.update_softness, self.stream_softness, self.eps) = (
             ResControllerConfig(update_ratio, stream_ratio, update_softness, stream_softness, eps).math()
         )
-        self.dim = _check_dim_type(dim)
+        self.dim = check_dim_type(dim)
         self.backend = "auto"
         self.set_backend(backend)
 
@@ -60,8 +60,14 @@ class ResController(nn.Module):
             dim=self.dim,
         )
 
+    def math_options(self) -> tuple[float, ...]:
+        """The math options as the dispatch takes them (checked at construction, in
+        :attr:`ResControllerConfig.MATH` order)."""
+        return self.update_ratio, self.stream_ratio, self.update_softness, self.stream_softness, self.eps
+
     def forward(self, residual: Tensor, update: Tensor) -> Tensor:
-        return rescontroller(residual, update, **self.options(), backend=self.backend)
+        dim = check_tensors(residual, update, self.dim)
+        return rescontroller_merge(residual, update, self.math_options(), dim, self.backend)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.options().items()) + f", backend={self.backend!r}"
