@@ -367,3 +367,19 @@ def test_rule_files_use_each_others_public_names_only():
              if isinstance(node, ast.ImportFrom) and module.startswith(".")
              for a in node.names if a.name.startswith("_")]
     assert found == []
+
+
+def test_op_registration_is_written_once():
+    """The ``torch.library`` registration (custom op, fake, autograd) is written once, in ``kernels/_library.py``;
+    the kernel files and the rules call it and register nothing themselves."""
+    calls = {"custom_op", "register_fake", "register_autograd"}
+    found = []
+    for path in sorted([*KERNELS.glob("*.py"), *PACKAGE.rglob("*.py")]):
+        if path == KERNELS / "_library.py" or "kernels" in path.relative_to(PACKAGE.parent).parts[1:2]:
+            continue  # lightning_resctl/kernels: the symlink of a source checkout to kernels/
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in calls:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.attr}")
+    assert found == []
+    assert calls <= {n.attr for n in ast.walk(ast.parse((KERNELS / "_library.py").read_text()))
+                     if isinstance(n, ast.Attribute)}
