@@ -157,6 +157,8 @@ class MGRChain(nn.Module):
         b_base, l_base, beta_init_max: the depth-aware init (see :func:`mgr_bias_init`).
         invert_top_p, invert_threshold, invert_max_gain: which rows the inversion saves exactly.
         eps: RMSNorm epsilon.
+        config: all of these options as one :class:`MGRConfig` instead of the keywords (what the rule passes);
+            refused together with an option keyword that differs from its default.
 
     Runtime: ``start(x) -> (streams, h0)``; ``step(k, streams, u) -> (streams', h_next)``; ``begin(x)`` ->
     :class:`MGRRun`; ``forward(x, branches)`` runs the whole chain with a sequence of branch callables.
@@ -166,23 +168,32 @@ class MGRChain(nn.Module):
                  invert=MGRConfig.invert, backend: str = MGRConfig.backend, *, b_base: float = MGRConfig.b_base,
                  l_base: int = MGRConfig.l_base, beta_init_max: float = MGRConfig.beta_init_max,
                  invert_top_p: float = MGRConfig.invert_top_p, invert_threshold: float = MGRConfig.invert_threshold,
-                 invert_max_gain: float = MGRConfig.invert_max_gain, eps: float = MGRConfig.eps):
+                 invert_max_gain: float = MGRConfig.invert_max_gain, eps: float = MGRConfig.eps,
+                 config: Optional[MGRConfig] = None):
         super().__init__()
-        MGRConfig(streams, gating, invert, backend, b_base, l_base, beta_init_max, invert_top_p, invert_threshold,
-                  invert_max_gain, eps).validate()
+        keywords = MGRConfig(streams, gating, invert, backend, b_base, l_base, beta_init_max, invert_top_p,
+                             invert_threshold, invert_max_gain, eps)
+        if config is None:
+            config = keywords
+        elif keywords != MGRConfig():
+            changed = {f: v for f, v in vars(keywords).items() if v != getattr(MGRConfig, f)}
+            raise TypeError(f"MGRChain takes its options as keywords or as config=, not both: got config={config!r} "
+                            f"and {changed}; put them in the config")
+        c = config.validate()
         check_int("dim", dim, 1)
         check_int("num_merges", num_merges, 1)
-        self.set_backend(backend)
-        self.dim, self.num_merges, self.streams, self.gating = dim, num_merges, streams, gating
-        self.invert = invert
-        self.invert_top_p, self.invert_threshold, self.invert_max_gain = invert_top_p, invert_threshold, invert_max_gain
-        self.eps = float(eps)
-        self.num_gated = max(num_merges - (streams - 1), 0)
-        self.init = mgr_bias_init(self.num_gated, streams, gating, b_base, l_base, beta_init_max)
+        self.set_backend(c.backend)
+        self.dim, self.num_merges, self.streams, self.gating = dim, num_merges, c.streams, c.gating
+        self.invert = c.invert
+        self.invert_top_p, self.invert_threshold, self.invert_max_gain = (c.invert_top_p, c.invert_threshold,
+                                                                          c.invert_max_gain)
+        self.eps = float(c.eps)
+        self.num_gated = max(num_merges - (c.streams - 1), 0)
+        self.init = mgr_bias_init(self.num_gated, c.streams, c.gating, c.b_base, c.l_base, c.beta_init_max)
         self.init_note: Optional[str] = self.init.note
-        self.b_base, self.l_base, self.beta_init_max = b_base, l_base, beta_init_max
-        self.merges = nn.ModuleList(
-            MGRMerge(k, dim, streams, gating, accumulating=k < streams - 1, init=self.init) for k in range(num_merges))
+        self.b_base, self.l_base, self.beta_init_max = c.b_base, c.l_base, c.beta_init_max
+        self.merges = nn.ModuleList(MGRMerge(k, dim, c.streams, c.gating, accumulating=k < c.streams - 1,
+                                             init=self.init) for k in range(num_merges))
         self.output_pool = MGRPool(dim)
         self._run_ref: Optional[weakref.ref] = None
         self._run_keep: Optional[InvertRun] = None
