@@ -383,3 +383,23 @@ def test_op_registration_is_written_once():
     assert found == []
     assert calls <= {n.attr for n in ast.walk(ast.parse((KERNELS / "_library.py").read_text()))
                      if isinstance(n, ast.Attribute)}
+
+
+def test_rule_configs_check_in_one_style():
+    """Every rule's options are checked in one style: its ``config.py`` dataclasses' ``validate()`` calls the checks
+    of ``rules/checks.py`` in sequence (no table of check lambdas, no other checking entry point beside it)."""
+    found = []
+    for folder in _rule_folders():
+        path = folder / "config.py"
+        if not path.exists():
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        if any(isinstance(n, ast.Lambda) for n in ast.walk(tree)):
+            found.append(f"{folder.name}/config.py: a lambda (a table of checks)")
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+            if "validate" not in methods:
+                found.append(f"{folder.name}/config.py: {cls.name} has no validate()")
+            found += [f"{folder.name}/config.py: {cls.name}.{m}() checks beside validate()" for m in methods
+                      if m.startswith("check")]
+    assert found == []
