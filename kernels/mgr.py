@@ -26,8 +26,8 @@ strides; the feature stride must be 1, else they are copied).
 With bf16/fp16 streams, the forward's single-tile path pools the stored (rounded) s', like the reference; the
 tiled path pools s' from the moments above (unrounded), a difference of the streams' rounding.
 
-Ops: ``lightning_resctl::mgr_step`` (with ``register_fake`` and ``register_autograd``) and
-``lightning_resctl::mgr_step_backward`` (with ``register_fake``).
+Ops (registered by ``_library.register_fused_ops``): ``lightning_resctl::mgr_step`` (with a fake and its autograd) and
+``lightning_resctl::mgr_step_backward`` (with a fake).
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_resctl.runtime.triton import interpreter_mode
-
+from ._env import interpreter_mode
+from ._library import register_fused_ops
 from .rows import token_stride
 from .tiles import Launch, StreamTile, device_arch, mgr_tile, persistent_programs, residency_key
 
@@ -606,10 +606,9 @@ def _bwd_impl(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_query: T
 # ----------------------------------------------------------------------------------------------
 # torch.library ops
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("lightning_resctl::mgr_step", mutates_args=())
-def mgr_step(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
-             gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], eps: float
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _mgr_step(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
+              gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], eps: float
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Fused MGR step: merge (append u when ``gate_query`` is None, else gates + lerp; competitive gating when
     ``forget_bias`` is given) then the next AttnPool with ``next_query``.
 
@@ -617,25 +616,23 @@ def mgr_step(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optiona
     return _fwd_impl(streams, u, next_query, gate_query, gate_bias, forget_bias, eps)
 
 
-@mgr_step.register_fake
-def _(streams, u, next_query, gate_query, gate_bias, forget_bias, eps):
+def _mgr_step_fake(streams, u, next_query, gate_query, gate_bias, forget_bias, eps):
     lead, m, c, m_out, gated, cd = _layout(streams, gate_query)
     return (streams.new_empty((*lead, m_out, c)), streams.new_empty((*lead, c)),
             streams.new_empty((*lead, m if gated else 0), dtype=cd), streams.new_empty((*lead, m_out), dtype=cd))
 
 
-@torch.library.custom_op("lightning_resctl::mgr_step_backward", mutates_args=())
-def mgr_step_backward(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_query: Tensor,
-                      gate_query: Optional[Tensor], gate_bias: Optional[Tensor], forget_bias: Optional[Tensor],
-                      grad_out: Optional[Tensor], grad_h: Optional[Tensor], eps: float
-                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _mgr_step_backward(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_query: Tensor,
+                       gate_query: Optional[Tensor], gate_bias: Optional[Tensor], forget_bias: Optional[Tensor],
+                       grad_out: Optional[Tensor], grad_h: Optional[Tensor], eps: float
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Fused backward of :func:`mgr_step`: ``(d_streams, d_u, d_gate_query, d_gate_bias, d_forget_bias,
     d_next_query)``; absent parameters get empty tensors."""
     return _bwd_impl(streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias, grad_out, grad_h, eps)
 
 
-@mgr_step_backward.register_fake
-def _(streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias, grad_out, grad_h, eps):
+def _mgr_step_backward_fake(streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias, grad_out, grad_h,
+                            eps):
     cd = _compute_dtype(streams)
     gated = gate_query is not None
 
@@ -658,16 +655,17 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(beta, a)
 
 
-def _backward(ctx, grad_out, grad_h, _grad_beta, _grad_a):
+def _grads(backward_op, ctx, grad_out, grad_h, _grad_beta, _grad_a):
     streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias = ctx.saved_tensors
-    ds, du, dq, db, df, dw = mgr_step_backward(streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias,
-                                               grad_out, grad_h, ctx.eps)
+    ds, du, dq, db, df, dw = backward_op(streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias,
+                                         grad_out, grad_h, ctx.eps)
     gated = gate_query is not None
     return (ds, du, dw, dq if gated else None, db if gated else None,
             df if forget_bias is not None else None, None)
 
 
-mgr_step.register_autograd(_backward, setup_context=_setup_context)
+mgr_step, mgr_step_backward = register_fused_ops(("mgr_step", "mgr_step_backward"), _mgr_step, _mgr_step_fake,
+                                                 _mgr_step_backward, _mgr_step_backward_fake, _setup_context, _grads)
 
 
 def mgr_step_forward_raw(streams, u, next_query, gate_query, gate_bias, forget_bias, eps):

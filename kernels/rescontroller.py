@@ -28,7 +28,8 @@ no copies); outputs get the residual's layout.
 
 The kernels are wrapped as ``torch.library.custom_op`` ops ``lightning_resctl::rescontroller_fwd``
 and ``lightning_resctl::rescontroller_bwd`` with fake (meta) implementations and a registered
-autograd formula, so ``torch.compile(fullgraph=True)`` sees one opaque op per direction.
+autograd formula (``_library.register_fused_ops``), so ``torch.compile(fullgraph=True)`` sees one opaque op per
+direction.
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_resctl.runtime.triton import interpreter_mode
-
+from ._env import interpreter_mode
+from ._library import register_fused_ops
 from .rows import row_grid
 from .tiles import Launch, RowTile, device_arch, rescontroller_tile
 
@@ -66,7 +67,7 @@ def _inv_scale(mx, THRESHOLD: tl.constexpr):
 @triton.jit
 def _chain(srr, suu, sru, d, ur, sr, ku, ks, eps, inv_k):
     """The per-row chain from the row sums of r/k, u/k (eps/k^2 inside square roots, eps/k beside the RMS
-    values: the same rule, see ``_row_inv_scale`` in lightning_resctl.rules.rescontroller.reference); returns the
+    values: the same rule, see ``row_inv_scale`` in lightning_resctl.rules.rescontroller.reference); returns the
     values the backward needs too."""
     eps1 = eps * inv_k
     eps2 = eps1 * inv_k
@@ -353,8 +354,7 @@ def _out_like(residual: Tensor, update: Tensor) -> Tensor:
     return torch.empty_like(residual, dtype=torch.promote_types(residual.dtype, update.dtype))
 
 
-@torch.library.custom_op("lightning_resctl::rescontroller_fwd", mutates_args=())
-def rescontroller_fwd(
+def _rescontroller_fwd(
     residual: Tensor, update: Tensor,
     update_ratio: float, stream_ratio: float, update_softness: float, stream_softness: float, eps: float,
 ) -> Tensor:
@@ -367,13 +367,11 @@ def rescontroller_fwd(
     return out
 
 
-@rescontroller_fwd.register_fake
-def _(residual, update, update_ratio, stream_ratio, update_softness, stream_softness, eps):
+def _rescontroller_fwd_fake(residual, update, update_ratio, stream_ratio, update_softness, stream_softness, eps):
     return _out_like(residual, update)
 
 
-@torch.library.custom_op("lightning_resctl::rescontroller_bwd", mutates_args=())
-def rescontroller_bwd(
+def _rescontroller_bwd(
     grad_out: Tensor, residual: Tensor, update: Tensor,
     update_ratio: float, stream_ratio: float, update_softness: float, stream_softness: float, eps: float,
 ) -> tuple[Tensor, Tensor]:
@@ -388,8 +386,8 @@ def rescontroller_bwd(
     return grad_r, grad_u
 
 
-@rescontroller_bwd.register_fake
-def _(grad_out, residual, update, update_ratio, stream_ratio, update_softness, stream_softness, eps):
+def _rescontroller_bwd_fake(grad_out, residual, update, update_ratio, stream_ratio, update_softness, stream_softness,
+                            eps):
     return torch.empty_like(residual), torch.empty_like(update)
 
 
@@ -399,10 +397,12 @@ def _setup_context(ctx, inputs, output):
     ctx.opts = opts
 
 
-def _backward(ctx, grad_out):
+def _grads(backward_op, ctx, grad_out):
     residual, update = ctx.saved_tensors
-    grad_r, grad_u = rescontroller_bwd(grad_out, residual, update, *ctx.opts)
+    grad_r, grad_u = backward_op(grad_out, residual, update, *ctx.opts)
     return grad_r, grad_u, None, None, None, None, None
 
 
-rescontroller_fwd.register_autograd(_backward, setup_context=_setup_context)
+rescontroller_fwd, rescontroller_bwd = register_fused_ops(
+    ("rescontroller_fwd", "rescontroller_bwd"), _rescontroller_fwd, _rescontroller_fwd_fake, _rescontroller_bwd,
+    _rescontroller_bwd_fake, _setup_context, _grads)

@@ -296,3 +296,110 @@ def test_every_package_folder_ships():
                if "__pycache__" not in p.parts}
     assert folders - listed == set(), f"package folders missing from pyproject.toml: {sorted(folders - listed)}"
     assert "lightning_resctl.kernels" in listed
+
+
+# --- issue 40: rules and kernels ---
+KERNELS = PACKAGE.parent / "kernels"
+RULES = PACKAGE / "rules"
+#: the one function that loads a kernels module (runtime/triton.py)
+KERNELS_LOADER = "load_kernels"
+
+
+def _import_nodes(path: Path):
+    """Every import statement in ``path`` (also inside functions) with the module it names as written, the dots
+    of a relative import kept: ``(node, ".ops")``, ``(node, "..common")``, ``(node, "torch")``."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield node, a.name
+        elif isinstance(node, ast.ImportFrom):
+            yield node, "." * node.level + (node.module or "")
+
+
+def _rule_folders() -> list[Path]:
+    return sorted(p.parent for p in RULES.glob("*/__init__.py"))
+
+
+def test_kernels_import_nothing_of_the_package():
+    """``kernels/`` is a leaf: its modules import torch, triton, the standard library and each other (relative,
+    one dot), nothing of ``lightning_resctl`` (also not inside a function)."""
+    files = sorted(KERNELS.glob("*.py"))
+    assert {f.stem for f in files} >= {"mgr", "rescontroller", "tiles", "rows"}
+    found = []
+    for f in files:
+        for node, module in _import_nodes(f):
+            if module.split(".")[0] == "lightning_resctl" or module.startswith(".."):
+                found.append(f"{f.name}:{node.lineno} imports {module}")
+    assert found == []
+
+
+def test_rule_ops_import_no_modules():
+    """In every rule folder the modules sit over the ops: ``ops.py`` imports no ``modules.py`` (not inside a
+    function either)."""
+    found = [f"{folder.name}/ops.py:{node.lineno} imports {module}"
+             for folder in _rule_folders() if (folder / "ops.py").exists()
+             for node, module in _import_nodes(folder / "ops.py")
+             if module.lstrip(".").split(".")[-1] == "modules" or module.endswith("rules." + folder.name + ".modules")]
+    assert found == []
+
+
+def test_only_a_rules_ops_reaches_the_kernels():
+    """``ops.py`` is the one public dispatch of a rule to the backends: only a rule folder's ``ops.py`` imports the
+    kernels loader (nothing in ``rules/`` wraps it, no other file of a rule reaches the kernels)."""
+    found = []
+    for path in sorted(RULES.rglob("*.py")):
+        for node, module in _import_nodes(path):
+            names = [a.name for a in node.names]
+            if module.endswith("runtime.triton") and KERNELS_LOADER in names and path.name != "ops.py":
+                found.append(f"{path.relative_to(RULES)}:{node.lineno} imports {KERNELS_LOADER}")
+            if path.name != "ops.py" and ("kernels" in module.split(".") or any("kernels" in n for n in names)):
+                found.append(f"{path.relative_to(RULES)}:{node.lineno} imports {module} {names}")
+    assert found == []
+    users = sorted(str(p.relative_to(RULES)) for p in RULES.rglob("ops.py") if KERNELS_LOADER in p.read_text())
+    assert users == ["mgr/ops.py", "rescontroller/ops.py"]
+
+
+def test_rule_files_use_each_others_public_names_only():
+    """Inside a rule folder a file imports only the public names of its siblings (what ``rule.py`` or
+    ``modules.py`` needs from ``ops.py`` is ops' public API, not its private helpers)."""
+    found = [f"{path.relative_to(RULES)}:{node.lineno} imports {a.name} from {module}"
+             for path in sorted(RULES.rglob("*.py")) for node, module in _import_nodes(path)
+             if isinstance(node, ast.ImportFrom) and module.startswith(".")
+             for a in node.names if a.name.startswith("_")]
+    assert found == []
+
+
+def test_op_registration_is_written_once():
+    """The ``torch.library`` registration (custom op, fake, autograd) is written once, in ``kernels/_library.py``;
+    the kernel files and the rules call it and register nothing themselves."""
+    calls = {"custom_op", "register_fake", "register_autograd"}
+    found = []
+    for path in sorted([*KERNELS.glob("*.py"), *PACKAGE.rglob("*.py")]):
+        if path == KERNELS / "_library.py" or "kernels" in path.relative_to(PACKAGE.parent).parts[1:2]:
+            continue  # lightning_resctl/kernels: the symlink of a source checkout to kernels/
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in calls:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.attr}")
+    assert found == []
+    assert calls <= {n.attr for n in ast.walk(ast.parse((KERNELS / "_library.py").read_text()))
+                     if isinstance(n, ast.Attribute)}
+
+
+def test_rule_configs_check_in_one_style():
+    """Every rule's options are checked in one style: its ``config.py`` dataclasses' ``validate()`` calls the checks
+    of ``rules/checks.py`` in sequence (no table of check lambdas, no other checking entry point beside it)."""
+    found = []
+    for folder in _rule_folders():
+        path = folder / "config.py"
+        if not path.exists():
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        if any(isinstance(n, ast.Lambda) for n in ast.walk(tree)):
+            found.append(f"{folder.name}/config.py: a lambda (a table of checks)")
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+            if "validate" not in methods:
+                found.append(f"{folder.name}/config.py: {cls.name} has no validate()")
+            found += [f"{folder.name}/config.py: {cls.name}.{m}() checks beside validate()" for m in methods
+                      if m.startswith("check")]
+    assert found == []

@@ -633,3 +633,26 @@ def test_double_backward_is_refused_with_a_clear_error(backend, gating):
     y = chain(x, [torch.tanh] * 4)
     with pytest.raises(RuntimeError, match="second derivative"):
         torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+
+
+def test_chain_takes_its_options_as_a_config():
+    """``MGRChain(dim, num_merges, config=MGRConfig(...))`` builds the chain the keywords build (what the rule
+    passes: its own config, not a dict rebuilt into one); keywords and a config together are refused."""
+    from lightning_resctl.rules import get_merge_rule
+    from lightning_resctl.rules.mgr import MGRConfig
+
+    options = dict(streams=3, gating="independent", invert=False, backend="torch-eager", b_base=-2.0, l_base=7,
+                   beta_init_max=0.4, invert_top_p=0.1, invert_threshold=0.6, invert_max_gain=4.0, eps=1e-5)
+    by_keywords = MGRChain(8, 5, **options)
+    by_config = MGRChain(8, 5, config=MGRConfig(**options))
+    assert repr(by_config) == repr(by_keywords)
+    for name in options:
+        assert getattr(by_config, name) == getattr(by_keywords, name), name
+    sd_k, sd_c = by_keywords.state_dict(), by_config.state_dict()
+    assert sd_k.keys() == sd_c.keys() and all(torch.equal(sd_k[k], sd_c[k]) for k in sd_k)
+    with pytest.raises(TypeError, match="config="):
+        MGRChain(8, 5, streams=3, config=MGRConfig(streams=3))
+    with pytest.raises(ValueError, match="streams"):
+        MGRChain(8, 5, config=MGRConfig(streams=1))
+    rule = get_merge_rule("mgr").rule_class("mgr", MGRConfig(**options))
+    assert repr(rule.build_chain(8, 5)) == repr(by_keywords)

@@ -615,3 +615,24 @@ def test_double_backward_is_refused_not_silently_wrong(backend):
         torch.autograd.grad(out.pow(2).sum(), r, create_graph=True)
     g, = torch.autograd.grad(out.pow(2).sum(), r)  # a plain backward is unaffected
     torch.testing.assert_close(g, torch.autograd.grad(rescontroller_reference(r, u).pow(2).sum(), r)[0])
+
+
+def test_module_takes_its_options_as_a_config():
+    """``ResController(config=ResControllerConfig(...))`` is the module the keywords build (what the rule passes:
+    its own config); keywords and a config together are refused; the config is checked like the keywords."""
+    from lightning_resctl.rules import get_merge_rule
+    from lightning_resctl.rules.rescontroller import ResControllerConfig
+
+    options = dict(update_ratio=0.3, stream_ratio=1.2, update_softness=4.0, stream_softness=6.0, eps=1e-9,
+                   backend="torch-eager")
+    by_keywords = ResController(**options, dim=1)
+    by_config = ResController(config=ResControllerConfig(**options), dim=1)
+    assert by_config.options() == by_keywords.options() and by_config.backend == by_keywords.backend
+    r, u = torch.randn(2, 6, 3), torch.randn(2, 6, 3)
+    torch.testing.assert_close(by_config(r, u), rescontroller_reference(r, u, **by_keywords.options()))
+    with pytest.raises(TypeError, match="config="):
+        ResController(0.3, config=ResControllerConfig(update_ratio=0.3))
+    with pytest.raises(ValueError, match="update_ratio"):
+        ResController(config=ResControllerConfig(update_ratio=0.0))
+    rule = get_merge_rule("rescontroller").rule_class("rescontroller", ResControllerConfig(**options))
+    assert rule.build_merge(6).options() == {**by_keywords.options(), "dim": 6}

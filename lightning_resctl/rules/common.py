@@ -6,9 +6,8 @@ import torch
 from torch import Tensor
 
 from ..runtime.backends import RULE_BACKENDS, check_backend
-from ..runtime.triton import load_kernels
 
-__all__ = ["RMS_EPS", "rms_norm", "compute_dtype", "BACKENDS", "check_rule_backend", "kernel_loader"]
+__all__ = ["RMS_EPS", "rms_norm", "compute_dtype", "BACKENDS", "check_rule_backend"]
 
 #: Epsilon of the parameter-free RMS norm (MGR's AttnPool and gates, the baselines' key norms).
 RMS_EPS = 1e-6
@@ -32,21 +31,3 @@ def rms_norm(x: Tensor, eps: float = RMS_EPS) -> Tensor:
     x = x.to(compute_dtype(x))
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
-
-def kernel_loader(name: str):
-    """The one way a rule's ``ops.py`` gets its Triton kernels: ``_kernels = kernel_loader("mgr")``;
-    ``_kernels()`` returns ``lightning_resctl.kernels.<name>`` (imported once, which registers its
-    ``torch.ops.lightning_resctl`` ops). The import runs under ``assume_constant_result``, so ``torch.compile``
-    runs it once at trace time instead of tracing the import (which would break the graph)."""
-
-    @torch.compiler.assume_constant_result
-    def load() -> bool:
-        load_kernels(name)
-        return True
-
-    def kernels():
-        load()
-        return load_kernels(name)
-
-    kernels.__doc__ = f"``lightning_resctl.kernels.{name}`` (imported once; see :func:`kernel_loader`)."
-    return kernels

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -46,20 +45,29 @@ def _load_kernels_package() -> ModuleType:
 _LOADED: dict[str, ModuleType] = {}
 
 
-def load_kernels(name: str) -> ModuleType:
-    """``lightning_resctl.kernels.<name>`` (e.g. ``"mgr"``, ``"rescontroller"``, ``"tiles"``), imported once with
-    the kernels package first; importing a rule's kernels registers its ``torch.ops.lightning_resctl`` ops. Once
-    loaded, a dict lookup (which ``torch.compile`` traces; it does not trace an import)."""
-    module = _LOADED.get(name)
-    if module is None:
+@torch.compiler.assume_constant_result
+def _import_kernels(name: str) -> bool:
+    """Import ``lightning_resctl.kernels.<name>`` once (the kernels package first). Under ``torch.compile`` it runs
+    once at trace time instead of being traced (tracing an import would break the graph)."""
+    if name not in _LOADED:
         _load_kernels_package()
-        module = _LOADED[name] = importlib.import_module(f"lightning_resctl.kernels.{name}")
-    return module
+        _LOADED[name] = importlib.import_module(f"lightning_resctl.kernels.{name}")
+    return True
+
+
+def load_kernels(name: str) -> ModuleType:
+    """``lightning_resctl.kernels.<name>`` (e.g. ``"mgr"``, ``"rescontroller"``, ``"tiles"``): the one way to the
+    kernels, called where they are used (a rule's ``ops.py``). Imported once, with the kernels package first;
+    importing a rule's kernels registers its ``torch.ops.lightning_resctl`` ops. Under ``torch.compile`` the import
+    runs at trace time and the module is a dict lookup."""
+    _import_kernels(name)
+    return _LOADED[name]
 
 
 def interpreter_mode() -> bool:
-    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``; the kernels' own check,
+    ``kernels/_env.py``)."""
+    return load_kernels("_env").interpreter_mode()
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,6 +9,9 @@ then stacks its m logits, takes the softmax and accumulates ``h = sum_i alpha_i 
 autograd saves only views of the sources, the logits and the m weights per token, never an (m, C) stack per merge
 (that would be O(K^2 C) memory for Full AttnRes). The weighted sum reads every source at every merge: Full
 AttnRes costs O(K^2) passes over (..., C) by construction, its logits O(K) (docs/rules/attnres.md).
+
+Every function takes the :class:`~.modules.AttnResChain` as ``chain`` (its sites' queries, block size and eps);
+the modules sit over these ops, which do not import them.
 """
 from __future__ import annotations
 
@@ -18,9 +21,8 @@ import torch
 from torch import Tensor
 
 from ...runtime.autograd import autocast_off, fp32_matmul
-from .modules import AttnResChain
 
-__all__ = ["AttnResState"]
+__all__ = ["AttnResState", "site_queries", "block_logits", "pool", "advance"]
 
 
 class AttnResState(NamedTuple):
@@ -46,7 +48,7 @@ def _rms(v: Tensor, eps: float) -> Tensor:
     return torch.rsqrt((v * v).mean(-1, keepdim=True) + eps)
 
 
-def _site_queries(chain: AttnResChain, dtype: torch.dtype) -> Tensor:
+def site_queries(chain, dtype: torch.dtype) -> Tensor:
     """Every site's ``q * g`` stacked ``(K, C)`` in ``dtype``."""
     q = torch.stack([m.pool_query for m in chain.merges]).to(dtype)
     if chain.merges[0].key_norm_affine:
@@ -54,14 +56,14 @@ def _site_queries(chain: AttnResChain, dtype: torch.dtype) -> Tensor:
     return q
 
 
-def _block_logits(chain: AttnResChain, v: Tensor, queries: Tensor, first: int) -> tuple:
+def block_logits(chain, v: Tensor, queries: Tensor, first: int) -> tuple:
     """Logits of a completed source ``v`` for sites ``first..K-1``: ``(v . w_j) * rms(v)`` as ``(..., 1)``
     columns (one matmul for all of them)."""
     z = fp32_matmul(v, queries[first:].mT) * _rms(v, chain.eps)
     return z.unsqueeze(-1).unbind(-2)
 
 
-def _pool(chain: AttnResChain, j: int, state: AttnResState) -> tuple[Tensor, Tensor]:
+def pool(chain, j: int, state: AttnResState) -> tuple[Tensor, Tensor]:
     """Pool the state's sources with site j's query, over the existing tensors. Returns ``(h, alpha)`` in the
     compute dtype."""
     z = [cols[j - f] for cols, f in zip(state.logits, state.first)]
@@ -131,7 +133,7 @@ class _DepthMixWithJvp(_DepthMix):
         return out
 
 
-def _advance(chain: AttnResChain, k: int, state: AttnResState, u: Optional[Tensor]) -> AttnResState:
+def advance(chain, k: int, state: AttnResState, u: Optional[Tensor]) -> AttnResState:
     """Merge ``u`` (None: dropped) as merge k: close a partial block left over from an earlier block (merges that
     did not run in this forward), add u to the partial, close it at a block boundary. A block closed here is read
     from site k on: its logits are computed for sites k..K-1."""
@@ -139,7 +141,7 @@ def _advance(chain: AttnResChain, k: int, state: AttnResState, u: Optional[Tenso
     blocks, logits, first, p = state.blocks, state.logits, state.first, state.partial
 
     def close(p):
-        return blocks + (p,), logits + (_block_logits(chain, p, state.queries, k),), first + (k,)
+        return blocks + (p,), logits + (block_logits(chain, p, state.queries, k),), first + (k,)
 
     if p is not None and (state.t - 1) // s != k // s:
         (blocks, logits, first), p = close(p), None

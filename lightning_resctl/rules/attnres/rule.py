@@ -11,7 +11,7 @@ from ..base import ChainRule, register_merge_rule
 from ..common import compute_dtype
 from .config import AttnResConfig, BlockAttnResConfig
 from .modules import AttnResChain
-from .ops import AttnResState, _advance, _block_logits, _pool, _site_queries
+from .ops import AttnResState, advance, block_logits, pool, site_queries
 from .reference import default_block_size
 
 __all__ = ["AttnResRule", "BlockAttnResRule"]
@@ -36,22 +36,22 @@ class AttnResRule(ChainRule):
     # ---- runtime
     def start(self, chain, x):
         v = x.to(compute_dtype(x))
-        queries = _site_queries(chain, v.dtype)
-        return AttnResState((v,), (_block_logits(chain, v, queries, 0),), (0,), None, 0, queries)
+        queries = site_queries(chain, v.dtype)
+        return AttnResState((v,), (block_logits(chain, v, queries, 0),), (0,), None, 0, queries)
 
     def _read(self, chain, state, next_k, dtype):
-        h, _ = _pool(chain, next_k - 1, state)
+        h, _ = pool(chain, next_k - 1, state)
         return state, h.to(dtype)
 
     def step(self, chain, k, state, u, next_k):
-        state = _advance(chain, k, state, u.to(compute_dtype(u)))
+        state = advance(chain, k, state, u.to(compute_dtype(u)))
         return self._read(chain, state, next_k, u.dtype)
 
     def skip(self, chain, k, state, next_k):
         """Ablation *(choice)*: the update is not added to any source (Full: no new source); block boundaries stay
         where they are."""
         dtype = state.blocks[0].dtype
-        return self._read(chain, _advance(chain, k, state, None), next_k, dtype)
+        return self._read(chain, advance(chain, k, state, None), next_k, dtype)
 
     def streams(self, chain, state):
         """The current sources stacked ``(..., m, C)`` (diagnostics only: a copy)."""
@@ -59,7 +59,7 @@ class AttnResRule(ChainRule):
 
     def weights(self, chain, k: int, state: AttnResState, u: Tensor) -> Tensor:
         """alpha ``(..., m)`` of site k: its query over the sources after merging ``u`` into ``state``."""
-        _, alpha = _pool(chain, k, _advance(chain, k, state, u.to(compute_dtype(u))))
+        _, alpha = pool(chain, k, advance(chain, k, state, u.to(compute_dtype(u))))
         return alpha
 
     # ---- diagnostics

@@ -13,23 +13,6 @@ __all__ = ["MGRConfig", "GATINGS"]
 
 GATINGS = ("independent", "competitive")
 
-#: option -> its check (each raises naming the option and the value)
-_CHECKS = {
-    "streams": lambda v: check_int("streams", v, 2),
-    "gating": lambda v: check_choice("gating", v, GATINGS),
-    "invert": lambda v: check_choice("invert", v, (True, False, "auto")),
-    "backend": check_rule_backend,
-    "b_base": lambda v: check_finite("b_base", v),
-    "l_base": lambda v: check_int("l_base", v, 1),
-    # the shallow-chain clamp sets beta_init = beta_init_max (independent) or beta_init_max / n (competitive, the
-    # streams then take beta_init_max in total): a gate value, so strictly inside (0, 1) (docs/rules/mgr.md)
-    "beta_init_max": lambda v: check_interval("beta_init_max", v, 0.0, 1.0),
-    "invert_top_p": lambda v: check_interval("invert_top_p", v, 0.0, 1.0, closed="both"),
-    "invert_threshold": lambda v: check_interval("invert_threshold", v, 0.0, 1.0, closed="high"),
-    "invert_max_gain": lambda v: check_interval("invert_max_gain", v, 1.0, math.inf),
-    "eps": lambda v: check_positive("eps", v),
-}
-
 
 @dataclass
 class MGRConfig:
@@ -60,11 +43,17 @@ class MGRConfig:
 
     def validate(self) -> "MGRConfig":
         """Raise ValueError/TypeError naming the option and the value; returns self."""
-        for name in _CHECKS:
-            self.check(name, getattr(self, name))
+        check_int("streams", self.streams, 2)
+        check_choice("gating", self.gating, GATINGS)
+        check_choice("invert", self.invert, (True, False, "auto"))
+        check_rule_backend(self.backend)
+        check_finite("b_base", self.b_base)
+        check_int("l_base", self.l_base, 1)
+        # the shallow-chain clamp sets beta_init = beta_init_max (independent) or beta_init_max / n (competitive,
+        # the streams then take beta_init_max in total): a gate value, so strictly inside (0, 1) (docs/rules/mgr.md)
+        check_interval("beta_init_max", self.beta_init_max, 0.0, 1.0)
+        check_interval("invert_top_p", self.invert_top_p, 0.0, 1.0, closed="both")
+        check_interval("invert_threshold", self.invert_threshold, 0.0, 1.0, closed="high")
+        check_interval("invert_max_gain", self.invert_max_gain, 1.0, math.inf)
+        check_positive("eps", self.eps)
         return self
-
-    @staticmethod
-    def check(name: str, value):
-        """Check one option (the reference's init formulas check theirs here too)."""
-        return _CHECKS[name](value)

@@ -8,15 +8,12 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ...runtime.triton import triton_available
-from ...runtime.backends import exporting_for_training, resolve_backend, torch_mode
-from ...runtime.autograd import autocast_off, refuse_transforms
+from ...runtime.backends import resolve_backend
 from ..checks import check_int
-from ..common import check_rule_backend
 from .config import MGRConfig
 from .inversion import InvertRun
-from .ops import MGRStepFn, _kernels, tie_zero_grad
-from .reference import MGRInit, attn_pool_reference, mgr_bias_init, mgr_gates_reference, mgr_step_reference
+from .ops import check_step_backend, mgr_step, tie_zero_grad
+from .reference import MGRInit, attn_pool_reference, mgr_bias_init, mgr_gates_reference
 
 __all__ = ["MGRPool", "MGRMerge", "MGRRun", "MGRChain"]
 
@@ -160,6 +157,8 @@ class MGRChain(nn.Module):
         b_base, l_base, beta_init_max: the depth-aware init (see :func:`mgr_bias_init`).
         invert_top_p, invert_threshold, invert_max_gain: which rows the inversion saves exactly.
         eps: RMSNorm epsilon.
+        config: all of these options as one :class:`MGRConfig` instead of the keywords (what the rule passes);
+            refused together with an option keyword that differs from its default.
 
     Runtime: ``start(x) -> (streams, h0)``; ``step(k, streams, u) -> (streams', h_next)``; ``begin(x)`` ->
     :class:`MGRRun`; ``forward(x, branches)`` runs the whole chain with a sequence of branch callables.
@@ -169,23 +168,32 @@ class MGRChain(nn.Module):
                  invert=MGRConfig.invert, backend: str = MGRConfig.backend, *, b_base: float = MGRConfig.b_base,
                  l_base: int = MGRConfig.l_base, beta_init_max: float = MGRConfig.beta_init_max,
                  invert_top_p: float = MGRConfig.invert_top_p, invert_threshold: float = MGRConfig.invert_threshold,
-                 invert_max_gain: float = MGRConfig.invert_max_gain, eps: float = MGRConfig.eps):
+                 invert_max_gain: float = MGRConfig.invert_max_gain, eps: float = MGRConfig.eps,
+                 config: Optional[MGRConfig] = None):
         super().__init__()
-        MGRConfig(streams, gating, invert, backend, b_base, l_base, beta_init_max, invert_top_p, invert_threshold,
-                  invert_max_gain, eps).validate()
+        keywords = MGRConfig(streams, gating, invert, backend, b_base, l_base, beta_init_max, invert_top_p,
+                             invert_threshold, invert_max_gain, eps)
+        if config is None:
+            config = keywords
+        elif keywords != MGRConfig():
+            changed = {f: v for f, v in vars(keywords).items() if v != getattr(MGRConfig, f)}
+            raise TypeError(f"MGRChain takes its options as keywords or as config=, not both: got config={config!r} "
+                            f"and {changed}; put them in the config")
+        c = config.validate()
         check_int("dim", dim, 1)
         check_int("num_merges", num_merges, 1)
-        self.set_backend(backend)
-        self.dim, self.num_merges, self.streams, self.gating = dim, num_merges, streams, gating
-        self.invert = invert
-        self.invert_top_p, self.invert_threshold, self.invert_max_gain = invert_top_p, invert_threshold, invert_max_gain
-        self.eps = float(eps)
-        self.num_gated = max(num_merges - (streams - 1), 0)
-        self.init = mgr_bias_init(self.num_gated, streams, gating, b_base, l_base, beta_init_max)
+        self.set_backend(c.backend)
+        self.dim, self.num_merges, self.streams, self.gating = dim, num_merges, c.streams, c.gating
+        self.invert = c.invert
+        self.invert_top_p, self.invert_threshold, self.invert_max_gain = (c.invert_top_p, c.invert_threshold,
+                                                                          c.invert_max_gain)
+        self.eps = float(c.eps)
+        self.num_gated = max(num_merges - (c.streams - 1), 0)
+        self.init = mgr_bias_init(self.num_gated, c.streams, c.gating, c.b_base, c.l_base, c.beta_init_max)
         self.init_note: Optional[str] = self.init.note
-        self.b_base, self.l_base, self.beta_init_max = b_base, l_base, beta_init_max
-        self.merges = nn.ModuleList(
-            MGRMerge(k, dim, streams, gating, accumulating=k < streams - 1, init=self.init) for k in range(num_merges))
+        self.b_base, self.l_base, self.beta_init_max = c.b_base, c.l_base, c.beta_init_max
+        self.merges = nn.ModuleList(MGRMerge(k, dim, c.streams, c.gating, accumulating=k < c.streams - 1,
+                                             init=self.init) for k in range(num_merges))
         self.output_pool = MGRPool(dim)
         self._run_ref: Optional[weakref.ref] = None
         self._run_keep: Optional[InvertRun] = None
@@ -206,11 +214,7 @@ class MGRChain(nn.Module):
     def set_backend(self, name: str) -> None:
         """Choose ``"auto"``, ``"torch"``, ``"triton"`` (alias ``"native"``), ``"torch-eager"``,
         ``"torch-compiled"`` or ``"reference"`` (see :class:`MGRChain`)."""
-        name = check_rule_backend(name)
-        if name == "triton" and not triton_available():
-            raise RuntimeError("backend='triton' needs a CUDA device or TRITON_INTERPRET=1")
-        if resolve_backend(name, None) == "triton":
-            _kernels()  # import (and register the ops) outside any torch.compile trace
+        name = check_step_backend(name)
         self.backend = name
 
     def resolved_backend(self, tensor: Optional[Tensor] = None) -> str:
@@ -291,13 +295,16 @@ class MGRChain(nn.Module):
             self._run_keep = run  # held until the first step hands it to the graph
         return x.unsqueeze(-2), x
 
-    def _current_run(self, streams: Tensor) -> Optional[InvertRun]:
+    def _claim_run(self, streams: Tensor) -> Optional[InvertRun]:
+        """The inversion run a fused step on ``streams`` joins (None: no inversion); once a step holds it, the
+        chain lets go of the run :meth:`start` kept."""
         if not self.inverts(streams):
             return None
         run = self._run_ref() if self._run_ref is not None else None
         if run is None:  # a chain driven without start() (or after the graph was freed): begin a new run
             run = InvertRun(self.invert_top_p, self.invert_threshold, self.invert_max_gain)
             self._run_ref = weakref.ref(run)
+        self._run_keep = None
         return run
 
     def step(self, k: int, streams: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
@@ -318,27 +325,8 @@ class MGRChain(nn.Module):
         backend = self.resolved_backend(streams)
         if k == 0 and torch.is_grad_enabled() and merge.pool_query.requires_grad and not _transformed():
             u = tie_zero_grad(u, merge.pool_query)  # (for DDP; not under torch.func / forward-mode AD)
-        if backend == "reference" or (backend != "triton" and exporting_for_training(streams, u, wq, gq, gb, fb)):
-            return mgr_step_reference(streams, u, wq, gq, gb, fb, self.gating, self.eps)
-        refuse_transforms(f"MGR (fused step, backend={backend!r})", "backend='reference'", streams, u, wq, gq, gb, fb)
-        run = self._current_run(streams)
-        if run is not None:
-            self._run_keep = None
-        if run is None and backend == "triton":
-            with autocast_off(streams.device.type):  # the fused op's own torch ops in fp32
-                out, h, _, _ = _kernels().mgr_step(streams, u, wq, gq, gb, fb, self.eps)
-            return out, h
-        # "torch" on CPU: one compiled region per direction when a C++ compiler is present (lightning_resctl.runtime.
-        # backends); under torch.compile the mode is "eager" and dynamo inlines the Function: the compiler traces the
-        # step and its closed-form backward
-        mode = "triton" if backend == "triton" else torch_mode(backend, streams)
-        cfg = (mode, self.eps, run, k, k == self.num_merges - 1)
-        out, h = MGRStepFn.apply(streams, u, wq, gq, gb, fb, cfg)
-        if torch.compiler.is_compiling():
-            # the chain hands ``out`` to the next merge, also across checkpointed blocks' subgraphs: as the Function's
-            # own output dynamo cannot lift it into the next block's subgraph, as a view made here it can
-            out = out.view_as(out)
-        return out, h
+        return mgr_step(streams, u, wq, gq, gb, fb, gating=self.gating, eps=self.eps, backend=backend,
+                        claim_run=self._claim_run, k=k, last=k == self.num_merges - 1)
 
     def skip(self, k: int, streams: Tensor) -> tuple[Tensor, Tensor]:
         """Ablation of merge k's branch: gated merges leave the streams unchanged; accumulating merges append a

@@ -4,7 +4,9 @@
   the closed-form backward (formulas in :func:`torch_step_backward`);
 * Triton path: ``lightning_resctl.kernels.mgr`` (one fused kernel per direction, ``torch.library`` ops);
 * :class:`MGRStepFn` dispatches to either and, with a :class:`~.inversion.InvertRun`, saves only what the
-  fallback inversion needs.
+  fallback inversion needs;
+* :func:`mgr_step` is the one public dispatch of a step to the backends (reference, torch, Triton) that
+  :class:`~.modules.MGRChain` calls; :func:`check_step_backend` checks a backend name where a chain is configured.
 
 The math is stated (and implemented as the oracle) in :mod:`.reference`.
 """
@@ -12,18 +14,21 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from ...runtime.autograd import refuse_second_derivative, autocast_off
-from ...runtime.backends import torch_mode
+from ...runtime.autograd import autocast_off, refuse_second_derivative, refuse_transforms
+from ...runtime.backends import exporting_for_training, resolve_backend, torch_mode
 from ...runtime.regions import CompiledMath
-from ..common import compute_dtype, kernel_loader
-from .inversion import output_streams, reconstruct_inputs
+from ...runtime.triton import load_kernels, triton_available
+from ..common import check_rule_backend, compute_dtype
+from .inversion import InvertRun, output_streams, reconstruct_inputs
+from .reference import mgr_step_reference
 
-__all__ = ["MGRStepFn", "TieZeroGrad", "tie_zero_grad", "torch_step_forward", "torch_step_backward"]
+__all__ = ["MGRStepFn", "TieZeroGrad", "tie_zero_grad", "torch_step_forward", "torch_step_backward", "mgr_step",
+           "check_step_backend"]
 
 
 def _gates_from_logits(z: Tensor, forget_bias: Optional[Tensor]) -> Tensor:
@@ -137,9 +142,6 @@ def torch_step_backward(streams: Tensor, u: Optional[Tensor], beta: Optional[Ten
     return ds.to(streams.dtype), du.to(u.dtype), d_q, d_bias, d_forget, d_next
 
 
-_kernels = kernel_loader("mgr")
-
-
 #: (forward, backward) of the torch path for a torch_mode: eager ops, or one compiled region each
 #: (lightning_resctl.runtime.backends)
 _torch_fns = CompiledMath(torch_step_forward, torch_step_backward, rule="mgr")
@@ -148,8 +150,8 @@ _torch_fns = CompiledMath(torch_step_forward, torch_step_backward, rule="mgr")
 def _step_forward(backend: str, streams, u, next_query, gate_query, gate_bias, forget_bias, eps):
     """``backend``: "triton", or the torch path's mode ("eager" / "compiled" / "background")."""
     if backend == "triton":
-        out, h, beta, a = _kernels().mgr_step_forward_raw(streams, u, next_query, gate_query, gate_bias, forget_bias,
-                                                          eps)
+        out, h, beta, a = load_kernels("mgr").mgr_step_forward_raw(streams, u, next_query, gate_query, gate_bias,
+                                                                    forget_bias, eps)
         t = a.numel() // a.shape[-1] if a.dim() else 1
         beta = beta.reshape(t, -1) if gate_query is not None else None
         return out, h, beta, a.reshape(t, -1), None
@@ -159,8 +161,8 @@ def _step_forward(backend: str, streams, u, next_query, gate_query, gate_bias, f
 def _step_backward(backend: str, streams, u, beta, a, out, stats, next_query, gate_query, gate_bias, forget_bias,
                    grad_out, grad_h, eps):
     if backend == "triton":
-        return _kernels().mgr_step_backward_raw(streams, u, beta, a, next_query, gate_query, gate_bias, forget_bias,
-                                                grad_out, grad_h, eps)
+        return load_kernels("mgr").mgr_step_backward_raw(streams, u, beta, a, next_query, gate_query, gate_bias,
+                                                     forget_bias, grad_out, grad_h, eps)
     return _torch_fns(backend)[1](streams, u, beta, a, out, stats, next_query, gate_query, forget_bias, grad_out,
                                   grad_h, eps)
 
@@ -230,6 +232,52 @@ class MGRStepFn(torch.autograd.Function):
             ds, du, dq, db, df, dw = _step_backward(backend, s2, u2, beta, a, out2, stats, next_query, gate_query,
                                                     gate_bias, forget_bias, grad_out, grad_h, eps)
         return ds.reshape(*lead, m, c), du.reshape(*lead, c), dw, dq, db, df, None
+
+
+def check_step_backend(name) -> str:
+    """A step backend name in its canonical form (``"native"`` -> ``"triton"``); refuses ``"triton"`` where Triton
+    cannot run, and imports the Triton kernels (registering their ops) when the name resolves to them, outside any
+    ``torch.compile`` trace."""
+    name = check_rule_backend(name)
+    if name == "triton" and not triton_available():
+        raise RuntimeError("backend='triton' needs a CUDA device or TRITON_INTERPRET=1")
+    if resolve_backend(name, None) == "triton":
+        load_kernels("mgr")
+    return name
+
+
+def mgr_step(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
+             gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], *, gating: str, eps: float, backend: str,
+             claim_run: Callable[[Tensor], Optional[InvertRun]], k: int, last: bool) -> tuple[Tensor, Tensor]:
+    """One MGR step (merge k, then the pool read after it) on the resolved ``backend`` ("reference", "triton" or
+    a "torch" variant): ``(streams', h_next)``.
+
+    "reference" (and a non-Triton step while ``torch.export`` traces for training) runs the oracle under plain
+    autograd; the others refuse ``torch.func`` transforms and forward-mode AD, then ``claim_run(streams)`` gives
+    the chain's :class:`~.inversion.InvertRun` (None: save the input streams as usual). Without one, a Triton step
+    is the fused op with its registered autograd; else :class:`MGRStepFn` (the torch math, eager or compiled on
+    CPU, or the kernels) with the inversion."""
+    if backend == "reference" or (backend != "triton" and exporting_for_training(streams, u, next_query, gate_query,
+                                                                                 gate_bias, forget_bias)):
+        return mgr_step_reference(streams, u, next_query, gate_query, gate_bias, forget_bias, gating, eps)
+    refuse_transforms(f"MGR (fused step, backend={backend!r})", "backend='reference'", streams, u, next_query,
+                      gate_query, gate_bias, forget_bias)
+    run = claim_run(streams)
+    if run is None and backend == "triton":
+        with autocast_off(streams.device.type):  # the fused op's own torch ops in fp32
+            out, h, _, _ = load_kernels("mgr").mgr_step(streams, u, next_query, gate_query, gate_bias, forget_bias,
+                                                        eps)
+        return out, h
+    # "torch" on CPU: one compiled region per direction when a C++ compiler is present (lightning_resctl.runtime.
+    # backends); under torch.compile the mode is "eager" and dynamo inlines the Function: the compiler traces the
+    # step and its closed-form backward
+    mode = "triton" if backend == "triton" else torch_mode(backend, streams)
+    out, h = MGRStepFn.apply(streams, u, next_query, gate_query, gate_bias, forget_bias, (mode, eps, run, k, last))
+    if torch.compiler.is_compiling():
+        # the chain hands ``out`` to the next merge, also across checkpointed blocks' subgraphs: as the Function's
+        # own output dynamo cannot lift it into the next block's subgraph, as a view made here it can
+        out = out.view_as(out)
+    return out, h
 
 
 class TieZeroGrad(torch.autograd.Function):

@@ -113,8 +113,7 @@ def mgr_bias_init(num_gated: int, streams: int, gating: str = MGRConfig.gating, 
     and ``note`` says so.
     """
     n = int(streams)
-    MGRConfig.check("gating", gating)
-    MGRConfig.check("beta_init_max", beta_init_max)
+    MGRConfig(gating=gating, beta_init_max=beta_init_max).validate()
     if num_gated <= 0:
         note = (f"MGR chain has no gated merges (num_merges <= streams - 1 = {n - 1}); "
                 "all merges accumulate, no gate bias to initialise")

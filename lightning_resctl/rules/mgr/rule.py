@@ -24,7 +24,7 @@ class MGRRule(ChainRule):
         return f"n={self.config.streams}"
 
     def build_chain(self, dim, num_merges):
-        return MGRChain(dim=dim, num_merges=num_merges, **self.options())
+        return MGRChain(dim=dim, num_merges=num_merges, config=self.config)
 
     def start(self, chain, x):
         streams, _ = chain.start(x)

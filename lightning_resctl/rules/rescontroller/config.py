@@ -36,11 +36,13 @@ class ResControllerConfig:
 
     def validate(self) -> "ResControllerConfig":
         """Raise ValueError/TypeError naming the option and the value; returns self."""
-        self.math()
+        for name in self.MATH:
+            check_positive(name, getattr(self, name))
         check_rule_backend(self.backend)
         return self
 
     def math(self) -> tuple[float, ...]:
-        """The math options, checked, as floats: ``(update_ratio, stream_ratio, update_softness, stream_softness,
-        eps)``."""
-        return tuple([check_positive(name, getattr(self, name)) for name in self.MATH])
+        """The math options, checked (:meth:`validate`), as floats: ``(update_ratio, stream_ratio,
+        update_softness, stream_softness, eps)``."""
+        self.validate()
+        return tuple(float(getattr(self, name)) for name in self.MATH)

@@ -1,13 +1,15 @@
 """The ResController merge as an ``nn.Module`` (parameter-free; the rule: :mod:`.reference`)."""
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import Tensor, nn
 
 from ..common import check_rule_backend
 from .config import ResControllerConfig
 from ...runtime.backends import resolve_backend
-from .ops import rescontroller
-from .reference import _check_dim_type
+from .ops import rescontroller_merge
+from .reference import check_dim_type, check_tensors
 
 __all__ = ["ResController"]
 
@@ -18,6 +20,9 @@ class ResController(nn.Module):
     Computes per row along ``dim``: ``out = r + s_u·s_s·u`` where ``s_u`` softly caps the
     update RMS at ``update_ratio·RMS(r)`` and ``s_s`` softly caps the candidate stream RMS
     ``RMS(r + s_u u)`` at ``stream_ratio·RMS(r)`` (full rule: :func:`rescontroller_reference`).
+
+    The options come as keywords or, all of them, as ``config=`` (a :class:`ResControllerConfig`: what the rule
+    passes); they are checked once, here.
     """
 
     def __init__(
@@ -30,14 +35,20 @@ class ResController(nn.Module):
         *,
         dim: int = -1,
         backend: str = ResControllerConfig.backend,
+        config: Optional[ResControllerConfig] = None,
     ):
         super().__init__()
-        (self.update_ratio, self.stream_ratio, self.update_softness, self.stream_softness, self.eps) = (
-            ResControllerConfig(update_ratio, stream_ratio, update_softness, stream_softness, eps).math()
-        )
-        self.dim = _check_dim_type(dim)
+        keywords = ResControllerConfig(update_ratio, stream_ratio, update_softness, stream_softness, eps, backend)
+        if config is None:
+            config = keywords
+        elif keywords != ResControllerConfig():
+            changed = {f: v for f, v in vars(keywords).items() if v != getattr(ResControllerConfig, f)}
+            raise TypeError(f"ResController takes its options as keywords or as config=, not both: got "
+                            f"config={config!r} and {changed}; put them in the config")
+        (self.update_ratio, self.stream_ratio, self.update_softness, self.stream_softness, self.eps) = config.math()
+        self.dim = check_dim_type(dim)
         self.backend = "auto"
-        self.set_backend(backend)
+        self.set_backend(config.backend)
 
     def set_backend(self, name: str) -> "ResController":
         """Choose "auto", "triton" (alias "native"), "torch" ("torch-eager", "torch-compiled") or "reference"
@@ -60,8 +71,14 @@ class ResController(nn.Module):
             dim=self.dim,
         )
 
+    def math_options(self) -> tuple[float, ...]:
+        """The math options as the dispatch takes them (checked at construction, in
+        :attr:`ResControllerConfig.MATH` order)."""
+        return self.update_ratio, self.stream_ratio, self.update_softness, self.stream_softness, self.eps
+
     def forward(self, residual: Tensor, update: Tensor) -> Tensor:
-        return rescontroller(residual, update, **self.options(), backend=self.backend)
+        dim = check_tensors(residual, update, self.dim)
+        return rescontroller_merge(residual, update, self.math_options(), dim, self.backend)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.options().items()) + f", backend={self.backend!r}"

@@ -20,11 +20,12 @@ from torch import Tensor
 from ...runtime.autograd import autocast_off, refuse_second_derivative, refuse_transforms
 from ...runtime.backends import exporting_for_training, resolve_backend, torch_mode
 from ...runtime.regions import CompiledMath
-from ..common import check_rule_backend, compute_dtype, kernel_loader
+from ...runtime.triton import load_kernels
+from ..common import check_rule_backend, compute_dtype
 from .config import ResControllerConfig
-from .reference import _check_tensors, _row_inv_scale, rescontroller_reference
+from .reference import check_tensors, reference_merge, row_inv_scale
 
-__all__ = ["rescontroller"]
+__all__ = ["rescontroller", "rescontroller_merge"]
 
 _ORACLE = "backend='reference' (rescontroller_reference)"
 
@@ -35,12 +36,12 @@ _ORACLE = "backend='reference' (rescontroller_reference)"
 def _lean_forward(residual: Tensor, update: Tensor, ur: float, sr: float, ku: float, ks: float, eps: float, dim: int):
     """Forward math of the lean path: ``(out, stats)``, stats = the 13 per-row scalars the backward reuses.
 
-    Three row moments (of ``r / k``, ``u / k``; k = 1 unless the row is huge, see :func:`_row_inv_scale`),
+    Three row moments (of ``r / k``, ``u / k``; k = 1 unless the row is huge, see :func:`row_inv_scale`),
     the per-row chain, one ``addcmul``. Plain torch ops: run eagerly or as one compiled region."""
     cdt = compute_dtype(residual, update)
     r, u = residual.to(cdt), update.to(cdt)
     d = r.shape[dim]
-    inv_k = _row_inv_scale(r, u, dim)
+    inv_k = row_inv_scale(r, u, dim)
     rs, us = r * inv_k, u * inv_k
     eps1 = inv_k * eps
     eps2 = eps1 * inv_k
@@ -156,14 +157,11 @@ def _rescontroller_torch(residual, update, ur, sr, ku, ks, eps, dim, backend="to
     return _ResControllerFunction.apply(residual, update, ur, sr, ku, ks, eps, dim, torch_mode(backend, residual))
 
 
-_kernels = kernel_loader("rescontroller")
-
-
 def _rescontroller_triton(residual, update, ur, sr, ku, ks, eps, dim):
     """Triton path: the fused op on the feature dim moved last (a view: the kernels walk the strides, no
     copy), the caller's layout back."""
     refuse_transforms("rescontroller (Triton op)", _ORACLE, residual, update)
-    _kernels()
+    load_kernels("rescontroller")  # registers torch.ops.lightning_resctl.rescontroller_*
     last = dim == residual.dim() - 1
     r = residual if last else residual.movedim(dim, -1)
     u = update if last else update.movedim(dim, -1)
@@ -197,12 +195,19 @@ def rescontroller(
     under ``torch.autocast``.
     """
     backend = check_rule_backend(backend)
-    dim = _check_tensors(residual, update, dim)
+    dim = check_tensors(residual, update, dim)
     opts = ResControllerConfig(update_ratio, stream_ratio, update_softness, stream_softness, eps).math()
+    return rescontroller_merge(residual, update, opts, dim, backend)
+
+
+def rescontroller_merge(residual: Tensor, update: Tensor, opts: tuple, dim: int, backend: str) -> Tensor:
+    """The dispatch of :func:`rescontroller` on checked arguments (nothing is checked again): ``opts`` =
+    :meth:`ResControllerConfig.math`, ``dim`` as :func:`~.reference.check_tensors` returns it, ``backend``
+    canonical. :class:`~.modules.ResController` calls it with the options it checked once, at construction."""
     resolved = resolve_backend(backend, residual)
     if resolved == "triton":
         return _rescontroller_triton(residual, update, *opts, dim)
     if resolved == "reference" or exporting_for_training(residual, update):
-        return rescontroller_reference(residual, update, *opts, dim=dim)
+        return reference_merge(residual, update, opts, dim)
     return _rescontroller_torch(residual, update, *opts, dim, backend)
 

@@ -45,7 +45,9 @@ from ...runtime.autograd import autocast_off
 from ..common import compute_dtype
 from .config import ResControllerConfig
 
-__all__ = ["ControllerScales", "rescontroller_reference", "rescontroller_scales", "SCALE_THRESHOLD"]
+__all__ = ["ControllerScales", "rescontroller_reference", "rescontroller_scales", "SCALE_THRESHOLD", "check_dim_type",
+           "check_tensors", "row_inv_scale",
+           "reference_merge"]
 
 
 class ControllerScales(NamedTuple):
@@ -60,14 +62,15 @@ class ControllerScales(NamedTuple):
 # --------------------------------------------------------------------------------------------
 # validation of the tensors (the options are checked by ResControllerConfig)
 # --------------------------------------------------------------------------------------------
-def _check_dim_type(dim) -> int:
+def check_dim_type(dim) -> int:
+    """``dim`` as an int (TypeError for a bool or a non-integer)."""
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
         raise TypeError(f"dim must be an int, got {dim!r} ({type(dim).__name__})")
     return int(dim)
 
 
 def _check_dim(dim, ndim: int) -> int:
-    dim = _check_dim_type(dim)
+    dim = check_dim_type(dim)
     if ndim == 0:
         raise ValueError("residual must have at least one dimension (the feature dim), got a 0-d tensor")
     if not -ndim <= dim < ndim:
@@ -75,7 +78,9 @@ def _check_dim(dim, ndim: int) -> int:
     return dim % ndim
 
 
-def _check_tensors(residual, update, dim) -> int:
+def check_tensors(residual, update, dim) -> int:
+    """Check a merge's two tensors (same shape, floating point, one device, a non-empty feature dim ``dim``);
+    returns ``dim`` normalised to ``0..ndim-1``."""
     for name, t in (("residual", residual), ("update", update)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -104,7 +109,7 @@ def _check_tensors(residual, update, dim) -> int:
 SCALE_THRESHOLD = 2.0 ** 32
 
 
-def _row_inv_scale(r: Tensor, u: Tensor, dim: int) -> Tensor:
+def row_inv_scale(r: Tensor, u: Tensor, dim: int) -> Tensor:
     """Per row (keepdim) ``1 / k`` with ``k`` a power of two near the row's max-abs when that is >= 2^32, else 1.
 
     The rule is scale-invariant except for ``eps``, so computing it on ``r / k``, ``u / k`` with ``eps / k^2``
@@ -124,9 +129,9 @@ def _row_inv_scale(r: Tensor, u: Tensor, dim: int) -> Tensor:
 def _reference_scales(r: Tensor, u: Tensor, ur, sr, ku, ks, eps, dim: int):
     """The spec's per-row chain in plain torch ops (keepdim); returns (s_u, s_s, p_u, p_s).
 
-    Rows of magnitude >= 2^32 are computed on ``r / k``, ``u / k`` (see :func:`_row_inv_scale`): ``eps2`` is
+    Rows of magnitude >= 2^32 are computed on ``r / k``, ``u / k`` (see :func:`row_inv_scale`): ``eps2`` is
     eps inside square roots, ``eps1`` eps beside the RMS values (both ``eps`` when k = 1)."""
-    inv_k = _row_inv_scale(r, u, dim)
+    inv_k = row_inv_scale(r, u, dim)
     r, u = r * inv_k, u * inv_k
     eps1 = eps * inv_k
     eps2 = eps1 * inv_k
@@ -177,8 +182,15 @@ def rescontroller_reference(
 
     Differentiable by plain autograd (which saves every intermediate).
     """
-    dim = _check_tensors(residual, update, dim)
-    ur, sr, ku, ks, eps = ResControllerConfig(update_ratio, stream_ratio, update_softness, stream_softness, eps).math()
+    dim = check_tensors(residual, update, dim)
+    opts = ResControllerConfig(update_ratio, stream_ratio, update_softness, stream_softness, eps).math()
+    return reference_merge(residual, update, opts, dim)
+
+
+def reference_merge(residual: Tensor, update: Tensor, opts: tuple, dim: int) -> Tensor:
+    """:func:`rescontroller_reference` on checked arguments: ``opts`` = :meth:`ResControllerConfig.math`, ``dim``
+    as :func:`check_tensors` returns it (what the dispatch runs for ``backend="reference"``)."""
+    ur, sr, ku, ks, eps = opts
     cdt = compute_dtype(residual, update)
     with autocast_off(residual.device.type):
         r, u = residual.to(cdt), update.to(cdt)
@@ -201,7 +213,7 @@ def rescontroller_scales(
     """Per-row scales of the rule (no grad): ``alpha`` = s_u, ``beta`` = s_s, and whether the
     update cap (p_u > 1) and the stream cap (p_s > 1) are active. Tensors of shape
     ``residual.shape`` with ``dim`` removed; alpha/beta in fp32."""
-    dim = _check_tensors(residual, update, dim)
+    dim = check_tensors(residual, update, dim)
     ur, sr, ku, ks, eps = ResControllerConfig(update_ratio, stream_ratio, update_softness, stream_softness, eps).math()
     cdt = compute_dtype(residual, update)
     with torch.no_grad(), autocast_off(residual.device.type):

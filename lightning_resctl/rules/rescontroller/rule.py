@@ -23,7 +23,7 @@ class ResControllerRule(MergeRule):
         return f"update_ratio={c.update_ratio}, stream_ratio={c.stream_ratio}"
 
     def build_merge(self, dim):
-        return ResController(**self.options(), dim=dim)
+        return ResController(config=self.config, dim=dim)
 
     def merge(self, module, stream, update, inplace):
         return module(stream, update)
