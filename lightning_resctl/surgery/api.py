@@ -15,10 +15,11 @@ from torch import nn
 
 from ..rules import make_rule
 from .bind import bind
+from .classify import classify
 from .observe import observe_modes
 from .peft import refuse_adapter_without_its_rule, save_rule_with_adapter
 from .plan import STATE_ATTR, check_model, check_patterns, make_plan, refuse_checkpointed
-from .pretrained import forget_patch_on_config, note_patch_on_config
+from .record import forget_patch_on_config, note_patch_on_config
 from .report import PatchReport, describe
 from .sites import MergeSite
 from .tensor_parallel import TensorParallelCheck, refuse_tensor_parallel
@@ -76,6 +77,8 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
     t0 = time.perf_counter()
 
     obs, other = observe_modes(model, example_input)                    # observe
+    classify(obs)                                                        # classify
+    classify(other)
     plan = make_plan(model, obs, rule, include, exclude, other)          # plan
     refuse_checkpointed(plan, rule)
     searched = (f"searched {obs.num_modules} modules of {type(model).__name__}: one forward on the example input "
