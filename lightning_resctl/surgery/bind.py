@@ -1,5 +1,5 @@
-"""Bind: build the plan's merge sites, chain modules and chain runs, and put them into the model (the third step
-of :func:`~lightning_resctl.surgery.patch_residuals`: observe -> plan -> **bind** -> describe).
+"""Bind: build the plan's merge sites, chain modules and chain runs, and put them into the model (the fourth step
+of :func:`~lightning_resctl.surgery.patch_residuals`: observe -> classify -> plan -> **bind** -> describe).
 
 Every object is built complete, in dependency order, and never edited afterwards:
 
