@@ -22,7 +22,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
+
+from .compare.program import program_name
 
 _COMMANDS = ("compare", "summarize")
 
@@ -42,15 +43,6 @@ def stack_versions() -> list[str]:
     """One line per distribution of :data:`TESTED_WITH`: ``torch 2.13.0+cpu (tested: 2.13.0)``."""
     width = max(map(len, TESTED_WITH))
     return [f"{dist:<{width}} {_installed(dist)} (tested: {tested})" for dist, tested in TESTED_WITH.items()]
-
-
-def program_name() -> str:
-    """How this process was started, as help and messages name it: ``python -m lightning_resctl`` or (the installed
-    script, and the default) ``lightning-resctl``."""
-    main_file = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    if main_file is not None and main_file.name == "__main__.py" and main_file.parent.name == "lightning_resctl":
-        return "python -m lightning_resctl"
-    return "lightning-resctl"
 
 
 def _help() -> str:

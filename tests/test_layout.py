@@ -403,3 +403,131 @@ def test_rule_configs_check_in_one_style():
             found += [f"{folder.name}/config.py: {cls.name}.{m}() checks beside validate()" for m in methods
                       if m.startswith("check")]
     assert found == []
+
+
+# --- issue 40: surgery ---
+def _module_graph(root: Path = PACKAGE, exports: dict | None = None) -> dict[str, set[str]]:
+    """``{module: modules it imports}`` over the package ``root`` (dotted names relative to it, a package by its
+    folder's name), every import counted: module level and inside functions, relative and absolute, and
+    ``from lightning_resctl import <lazy export>`` (resolved to the module defining it). ``from package import
+    name`` is an edge to the submodule ``package.name`` when there is one, else to the package; the implicit
+    import of a module's parent packages is not an edge (Python runs those before the module, not from it)."""
+    exports = dict(lightning_resctl._EXPORTS if exports is None else exports)
+    modules = {name: (is_pkg, path) for name, is_pkg, path in _modules(root)}
+    graph: dict[str, set[str]] = {}
+    for name, (is_pkg, path) in modules.items():
+        package = name.split(".") if is_pkg else name.split(".")[:-1]
+        if name == "__init__":
+            package = []
+        edges = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found = [(a.name, None) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ["lightning_resctl", *package][: len(package) + 2 - node.level] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                found = [(module, a.name) for a in node.names]
+            else:
+                continue
+            for module, attr in found:
+                if module != "lightning_resctl" and not module.startswith("lightning_resctl."):
+                    continue
+                rel = module[len("lightning_resctl."):] if module != "lightning_resctl" else "__init__"
+                if rel == "__init__" and attr in exports:
+                    target = exports[attr]
+                elif attr is not None and f"{rel}.{attr}".removeprefix("__init__.") in modules:
+                    target = f"{rel}.{attr}".removeprefix("__init__.")
+                else:
+                    target = rel
+                while target not in modules and "." in target:  # an attribute path: its module
+                    target = target.rsplit(".", 1)[0]
+                if target in modules and target != name:
+                    edges.add(target)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (``[a, b, ..., a]``) per strongly connected group of modules that import each other."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for group in groups:  # a shortest way back from the group's first module to itself
+        start = min(group)
+        paths = {start: [start]}
+        frontier = [start]
+        cycle = None
+        while frontier and cycle is None:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v] & group):
+                    if w == start:
+                        cycle = paths[v] + [start]
+                        break
+                    if w not in paths:
+                        paths[w] = paths[v] + [w]
+                        nxt.append(w)
+                if cycle:
+                    break
+            frontier = nxt
+        cycles.append(cycle)
+    return sorted(cycles)
+
+
+def test_the_package_imports_have_no_cycle():
+    """No module of the package imports, however indirectly, a module that imports it back, counting imports
+    inside functions too (a function-local import that hides a cycle is still a cycle)."""
+    cycles = import_cycles(_module_graph())
+    assert cycles == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_import_cycles_sees_a_function_local_cycle(tmp_path):
+    # the walker itself: a relative import inside a function closes a cycle through a package's submodule
+    pkg = tmp_path / "lightning_resctl"
+    (pkg / "surgery").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "surgery" / "__init__.py").write_text("from .api import f\n")
+    (pkg / "surgery" / "api.py").write_text("from . import pretrained\n")
+    (pkg / "surgery" / "pretrained.py").write_text("def g():\n    from .checkpoint import h\n")
+    (pkg / "surgery" / "checkpoint.py").write_text("from lightning_resctl.surgery.api import f\n")
+    cycles = import_cycles(_module_graph(pkg, exports={}))
+    assert cycles == [["surgery.api", "surgery.pretrained", "surgery.checkpoint", "surgery.api"]]
+
+
+SURGERY_MAX_LINES = 450
+
+
+def test_no_surgery_module_is_over_450_lines():
+    """Each surgery module holds one step of the pipeline (observe, classify, plan, rewrite, bind, describe) or one
+    thing around it: none over 450 lines."""
+    long = {f.name: n for f in sorted((PACKAGE / "surgery").glob("*.py"))
+            if (n := len(f.read_text().splitlines())) > SURGERY_MAX_LINES}
+    assert long == {}, f"surgery modules over {SURGERY_MAX_LINES} lines: {long}"

@@ -26,6 +26,7 @@ from . import job
 from .methods import PRESETS, available_methods
 from .options import HELP, CompareOptions
 from .preemption import JobStopped
+from .program import program_name
 
 __all__ = ["CompareCLI", "main", "summarize_main", "resume_command", "TRAINER_DEFAULTS"]
 
@@ -200,8 +201,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _program() -> str:
     """How this process was started: ``python -m lightning_resctl compare``, ``python -m lightning_resctl.compare``
     or (the installed script, and the default) ``lightning-resctl compare``."""
-    from ..__main__ import program_name
-
     main_file = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
     if main_file is not None and main_file.name == "__main__.py" and main_file.parent.name == "compare":
         return "python -m lightning_resctl.compare"

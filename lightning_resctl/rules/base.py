@@ -322,3 +322,13 @@ def make_rule(method: str, options: Optional[dict] = None) -> MergeRule:
     kwargs = {**dict(entry.preset), **options}
     config = entry.rule_class.Config(**kwargs)
     return entry.rule_class(method, config)
+
+
+def rule_name_for_config(config: Any) -> str:
+    """The registered name that a rule's config dataclass (e.g. ``MGRConfig(streams=8)``) stands for: the first
+    name of the rule whose ``Config`` is ``type(config)`` that presets no option. TypeError when no rule has it."""
+    for name, entry in _REGISTRY.items():
+        if type(config) is entry.rule_class.Config and not entry.preset:
+            return name
+    raise TypeError(f"{type(config).__name__} is not the config of any registered merge rule (registered: "
+                    f"{list(_REGISTRY)}): pass a rule's config (e.g. MGRConfig(streams=8)) or method='<name>'")

@@ -12,10 +12,11 @@ expression, which is rewritten into ``self.<site>(stream, update)`` in a per-ins
 block's class. Parameter names and ``isinstance`` are kept; sites are :class:`MergeSite` submodules.
 
 Modules, in the order a patch runs (:mod:`.api` holds the public functions): :mod:`.observe` (the forwards that
-record every addition), :mod:`.plan` (which additions are merges, one site per expression, the chains, the rewrites),
-:mod:`.bind` (the sites and chain modules built complete and put into the model; :mod:`.sites` is what runs them,
-:mod:`.rewrite` the source rewriting), :mod:`.report` (describe). Around it: :mod:`.checkpoint`, :mod:`.pretrained`
-and :mod:`.patcher` (a Trainer stage's patch, for the callbacks).
+record every addition, :mod:`.events`), :mod:`.classify` (which additions are merges), :mod:`.plan` (one site per
+expression, the chains, what is skipped; :mod:`.rewrite` builds the patched classes over :mod:`.source_edits`),
+:mod:`.bind` (the sites and chain modules built complete and put into the model; :mod:`.sites`, :mod:`.chain_run`
+and :mod:`.parallel` are what runs them), :mod:`.report` (describe). What a patch saves: :mod:`.record`. Around it:
+:mod:`.checkpoint`, :mod:`.pretrained` and :mod:`.patcher` (a Trainer stage's patch, for the callbacks).
 
 Where to patch in Lightning: before ``configure_optimizers``, DDP/FSDP wrapping and ``torch.compile`` —
 ``Callback.setup`` is that point::

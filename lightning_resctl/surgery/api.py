@@ -1,24 +1,29 @@
-"""The surgery's public functions: :func:`patch_residuals` (observe -> plan -> bind -> describe),
+"""The surgery's public functions: :func:`patch_residuals` (observe -> classify -> plan -> bind -> describe),
 :func:`unpatch_residuals`, :func:`get_patch_report`, :func:`merge_sites`.
 
 * observe (:mod:`.observe`): one forward in training and one in eval mode record every addition of two tensors;
-* plan (:mod:`.plan`): which of them are merges to patch, one site per expression, the chains, the rewrites;
+* classify (:mod:`.classify`): which of them are merges;
+* plan (:mod:`.plan`): which merges to patch, one site per expression, the chains; the patched classes
+  (:mod:`.rewrite`);
 * bind (:mod:`.bind`): the sites, chain modules and runs built complete and put into the model;
 * describe (:mod:`.report`): the :class:`PatchReport`.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Iterable, Optional
 
 from torch import nn
 
 from ..rules import make_rule
+from ..rules.base import rule_name_for_config
 from .bind import bind
+from .classify import classify
 from .observe import observe_modes
 from .peft import refuse_adapter_without_its_rule, save_rule_with_adapter
 from .plan import STATE_ATTR, check_model, check_patterns, make_plan, refuse_checkpointed
-from .pretrained import forget_patch_on_config, note_patch_on_config
+from .record import forget_patch_on_config, note_patch_on_config
 from .report import PatchReport, describe
 from .sites import MergeSite
 from .tensor_parallel import TensorParallelCheck, refuse_tensor_parallel
@@ -26,7 +31,7 @@ from .tensor_parallel import TensorParallelCheck, refuse_tensor_parallel
 __all__ = ["patch_residuals", "unpatch_residuals", "get_patch_report", "merge_sites"]
 
 
-def patch_residuals(model: nn.Module, method: str = "rescontroller", example_input: Any = None,
+def patch_residuals(model: nn.Module, method: Any = "rescontroller", example_input: Any = None,
                     include: Optional[Iterable[str]] = None, exclude: Optional[Iterable[str]] = None,
                     allow_empty: bool = False, **method_options) -> PatchReport:
     """Rewrite every residual merge of ``model`` in place and return a :class:`PatchReport`.
@@ -40,9 +45,11 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
     RNG state and the training flag are left exactly as they were. Each merge is rewritten in its
     forward's source into a call of a :class:`MergeSite` that runs the merge rule ``method`` — any name in
     :func:`lightning_resctl.merge_rules` (``"add"``, ``"rescontroller"``, ``"mgr"``, ``"mgr-competitive"``,
-    ...; ``method_options`` are that rule's options, e.g. ``streams=4`` for MGR). Chain rules (MGR and
-    the other stream-carrying rules) keep their state beside the model; the model's code between merges
-    sees tensors of the original shape.
+    ...; ``method_options`` are that rule's options, e.g. ``streams=4`` for MGR), or that rule's config
+    dataclass: ``patch_residuals(model, MGRConfig(streams=4))`` patches, checks and records exactly as
+    ``patch_residuals(model, method="mgr", streams=4)`` (a config and keyword options together are refused).
+    Chain rules (MGR and the other stream-carrying rules) keep their state beside the model; the model's code
+    between merges sees tensors of the original shape.
 
     The model object, its parameter names and its modules' ``isinstance`` are kept (patched modules get
     a per-instance subclass); :func:`unpatch_residuals` restores them exactly. The rule, its options and
@@ -55,13 +62,16 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
         allow_empty: return an empty report instead of raising when nothing is found.
 
     Raises:
-        ValueError: unknown ``method``/options, a rule that refuses the model, or no example input.
+        ValueError: unknown ``method``/options (or a config with options), a rule that refuses the model, or no
+            example input.
+        TypeError: ``method`` is a dataclass that is no registered rule's config.
         RuntimeError: the model is already patched, or tensor parallel already (patch before
             ``parallelize_module``), or no merge was found (unless ``allow_empty``).
         TypeError: the model is wrapped (DDP/FSDP/compiled): patch it before wrapping.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    method, method_options = _method_and_options(method, method_options)
     rule = make_rule(method, method_options)
     check_model(model, rule)
     refuse_adapter_without_its_rule(model)
@@ -76,6 +86,8 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
     t0 = time.perf_counter()
 
     obs, other = observe_modes(model, example_input)                    # observe
+    classify(obs)                                                        # classify
+    classify(other)
     plan = make_plan(model, obs, rule, include, exclude, other)          # plan
     refuse_checkpointed(plan, rule)
     searched = (f"searched {obs.num_modules} modules of {type(model).__name__}: one forward on the example input "
@@ -101,6 +113,19 @@ def patch_residuals(model: nn.Module, method: str = "rescontroller", example_inp
     model.__dict__[STATE_ATTR] = binding.state
     note_patch_on_config(model, report)  # a transformers model: save_pretrained's config.json says it is patched
     return report
+
+
+def _method_and_options(method: Any, method_options: dict) -> tuple:
+    """``(name, options)`` of the ``method`` patch_residuals got: a rule's name with its keyword options as they
+    are, or a rule's config dataclass as the name it is registered under and its fields as options."""
+    if isinstance(method, str) or not dataclasses.is_dataclass(method) or isinstance(method, type):
+        return method, method_options
+    if method_options:
+        given = ", ".join(f"{k}={v!r}" for k, v in method_options.items())
+        raise ValueError(f"patch_residuals got a config ({method!r}) and rule options ({given}): pass one of them, "
+                         f"the options in the config ({type(method).__name__}(..., {given})) or method=<name> with "
+                         "the options as keywords")
+    return rule_name_for_config(method), {f.name: getattr(method, f.name) for f in dataclasses.fields(method)}
 
 
 def unpatch_residuals(model: nn.Module) -> None:

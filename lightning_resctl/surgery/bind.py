@@ -1,5 +1,5 @@
-"""Bind: build the plan's merge sites, chain modules and chain runs, and put them into the model (the third step
-of :func:`~lightning_resctl.surgery.patch_residuals`: observe -> plan -> **bind** -> describe).
+"""Bind: build the plan's merge sites, chain modules and chain runs, and put them into the model (the fourth step
+of :func:`~lightning_resctl.surgery.patch_residuals`: observe -> classify -> plan -> **bind** -> describe).
 
 Every object is built complete, in dependency order, and never edited afterwards:
 
@@ -22,11 +22,13 @@ from typing import NamedTuple, Optional
 
 from torch import nn
 
-from .observe import Observation
-from .plan import CONTAINERS, Plan, branch_kind, chain_dim, parallel_block, site_key, source_line
+from .events import Observation, parallel_block, site_key, source_line
+from .plan import CONTAINERS, Plan, branch_kind, chain_dim
 from .report import ChainInfo, PatchReport
 from .tally import hook_tallies, site_tallies
-from .sites import ChainEnd, ChainRun, ChainStart, MergeSite, ParallelPart, ParallelRun, mark_rule_module
+from .chain_run import ChainEnd, ChainRun, ChainStart
+from .parallel import ParallelPart, ParallelRun
+from .sites import MergeSite, SitePlace, mark_rule_module
 
 __all__ = ["bind", "Binding", "BoundMerge", "PatchState"]
 
@@ -107,13 +109,14 @@ def bind(model: nn.Module, plan: Plan, rule, report: PatchReport, obs: Observati
             continue
         ci = chain_index[ev0.index]
         mode_positions = {"train": positions[key], "eval": tuple(eval_positions.get(key, ()))} if is_chain else {}
+        place = SitePlace(path=plan.paths[id(ev0.owner)], location=ev0.location, source_line=source_line(ev0),
+                          branch=branch_kind(ev0), function=ev0.function_name if ev0.calls else "",
+                          called_at=ev0.call_location)
         site = MergeSite(
-            rule, path=plan.paths[id(ev0.owner)], location=ev0.location, source_line=source_line(ev0),
-            stream_shape=ev0.shapes[0], chain=ci, positions=positions[key], dim=dims[ci], inplace=_inplace(ev0),
-            merge=None if is_chain else rule.build_merge(dims[ci]), chain_slot=chain_slots[ci],
+            rule, place, stream_shape=ev0.shapes[0], chain=ci, positions=positions[key], dim=dims[ci],
+            inplace=_inplace(ev0), merge=None if is_chain else rule.build_merge(dims[ci]), chain_slot=chain_slots[ci],
             run=runs.get(ci), mode_positions=mode_positions, parallel=parallel.get(key),
-            stream_first=ev0.stream_operand == 0, branch=branch_kind(ev0),
-            function=ev0.function_name if ev0.calls else "", called_at=ev0.call_location, tally=tally_of[key])
+            stream_first=ev0.stream_operand == 0, tally=tally_of[key])
         sites[key] = site.train(ev0.owner.training)  # new modules follow the mode of the module they are added to
     # each addition of a parallel block before the last is a ParallelPart feeding the last one's site
     parts: dict = {}

@@ -24,13 +24,12 @@ from torch import nn
 
 from ..rules import make_rule
 from .api import get_patch_report, merge_sites, patch_residuals
-from .plan import SITE_PREFIX
+from .record import decode_record, site_record_owner
 from .report import PatchReport
 
 __all__ = ["load_unpatched_state_dict", "patch_from_state_dict", "patch_from_checkpoint", "PatchOnLoadMixin",
            "adapt_optimizer_state"]
 
-_SUFFIX = "._extra_state"
 _PATCH_ARGS = ("include", "exclude", "allow_empty")  # passed to patch_residuals; other keywords are rule options
 
 
@@ -77,14 +76,10 @@ def load_tied_state_dict(model: nn.Module, state_dict: dict) -> None:
 
 def _records(state_dict: dict) -> list:
     """``[(key prefix of the site's owner, record)]`` for every site record in ``state_dict``."""
-    from .sites import decode_record
-
     out = []
     for key, value in state_dict.items():
-        if not key.endswith(_SUFFIX):
-            continue
-        owner, _, attr = key[:-len(_SUFFIX)].rpartition(".")
-        if attr.startswith(SITE_PREFIX):
+        owner = site_record_owner(key)
+        if owner is not None:
             record = decode_record(value)
             if isinstance(record, dict) and "method" in record:
                 out.append((owner, record))

@@ -11,12 +11,7 @@ are kept as *call sites* (``AddEvent.calls``), so that the call can be redirecte
 rewritten copy of the function. Code lexically inside the method (a comprehension, a lambda, an inner ``def``)
 is part of the method's own source and needs no call site.
 
-An addition is a *merge* when both operands have the same shape (floating point, at least 1-D) and one
-operand, the *stream*, is an ancestor of the other, the *update*, through a branch holding learned
-parameters. A parallel block written as several additions (``x = attn + x; return mlp + x``) is one merge
-of the block's input and the branches' sum: each addition after the first adds a branch of the first one's
-stream to the previous one's result (``AddEvent.parallel_of``). Everything else is reported with the reason
-it is not a merge.
+Which additions are merges is the next step's decision (:mod:`.classify`).
 
 Writes in place keep the dataflow: an op that writes its input (``add_``, ``index_put_``, ``out=``,
 ``y[index] = value``, hence ``y[index] += value``) gives that tensor a new node depending on the write, and
@@ -25,9 +20,7 @@ so does every other tensor seen on the same storage (a view written through, the
 from __future__ import annotations
 
 import copy
-import os
 import sys
-from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from typing import Any, Optional
 
@@ -35,7 +28,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Node", "AddEvent", "Observation", "observe", "observe_modes", "run_example", "preserved"]
+from .events import AddEvent, Node, Observation
+
+__all__ = ["observe", "observe_modes", "run_example", "preserved"]
 
 _ADD_FUNCS = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
 _IADD_FUNCS = {torch.Tensor.add_, torch.Tensor.__iadd__}
@@ -50,101 +45,6 @@ _GLUE_FILES = ("torch/overrides.py", "torch/_tensor.py", "torch/utils/_device.py
 # frames of nn.Module's call machinery: a function called from there (a hook) has no call site to redirect
 _MODULE_CALL_FILES = ("torch/nn/modules/module.py",)
 _MAX_CALL_DEPTH = 6
-# ops taking a part of their first input (a stream may be the part of a tensor its branch reads whole)
-_SLICES = {"__getitem__", "narrow", "select"}
-
-
-@dataclass
-class Node:
-    """One op of the observed forward (or a leaf: an input, a parameter, a buffer, a constant)."""
-
-    index: int
-    op: str
-    inputs: tuple
-    learned: bool = False      # consumes an nn.Parameter, or a tensor computed from parameters only
-    module: str = ""           # innermost module running when the op ran
-    shape: Optional[tuple] = None
-    floating: bool = True
-    static: bool = False       # an nn.Parameter, or computed from parameters only (``W.t()``, weight_norm)
-
-
-@dataclass
-class AddEvent:
-    """One executed addition of two tensors."""
-
-    index: int
-    result: int
-    operands: tuple            # node ids of the two operands, in argument order
-    shapes: tuple
-    floating: bool
-    ndim: int
-    inplace: bool              # a += b / a.add_(b): operand 0 is mutated
-    code: Optional[CodeType]
-    position: Optional[tuple]  # (lineno, end_lineno, col, end_col) of the expression
-    filename: str
-    lineno: int
-    owner: Optional[nn.Module]
-    method_name: Optional[str]  # name on type(owner) of the method whose code ran the addition
-    function_name: str
-    # call sites from the owner's method down to the free function holding the addition, outermost first:
-    # ((code, position of the call), ...); empty when the addition is in the method's own source
-    calls: tuple = ()
-    method_code: Optional[CodeType] = None  # code of owner's method (== code when calls is empty)
-    not_candidate: Optional[str] = None  # alpha/out= etc.
-    stream_operand: Optional[int] = None  # 0 or 1 once classified as a merge
-    reason: Optional[str] = None          # why it is not a merge
-    branch_ops: frozenset = field(default_factory=frozenset)
-    branch_modules: frozenset = field(default_factory=frozenset)  # paths of the modules that ran in the branch
-    branch_learned: tuple = ()            # module paths of the branch's learned ops, in execution order
-    feature_dim: int = -1                 # 1 when the branch starts with a convolution (channels-first)
-    checkpointed: bool = False            # ran inside torch.utils.checkpoint (activation recomputation)
-    # a parallel block written as several additions (``x = attn + x; return mlp + x``): this addition adds a
-    # branch of the block's input ``parallel_stream`` to the result of the block's previous addition
-    # ``parallel_of`` (an event index); that one is then ``joined_by`` this one (a partial sum, not a merge
-    # of its own). ``refusal``: why such a block cannot be patched (the partial sum is read elsewhere)
-    parallel_of: Optional[int] = None
-    parallel_stream: Optional[int] = None
-    joined_by: Optional[int] = None
-    refusal: Optional[str] = None
-    # set by the patch for a merge of a line that runs in one mode only (``else: x = x + f(x)`` beside a
-    # training line ``x = x + checkpoint(f, x)``): the site key of the other mode's merge whose site it calls
-    same_site: Optional[tuple] = None
-
-    @property
-    def is_merge(self) -> bool:
-        return self.stream_operand is not None
-
-    @property
-    def is_partial(self) -> bool:
-        """An addition of a parallel block before its last one: merged by the block's last addition."""
-        return self.joined_by is not None
-
-    @property
-    def stream_node(self) -> int:
-        """The node of the stream this merge merges into (a parallel block's input for its last addition)."""
-        return self.parallel_stream if self.parallel_stream is not None else self.operands[self.stream_operand]
-
-    @property
-    def location(self) -> str:
-        return f"{short_path(self.filename)}:{self.lineno}"
-
-    @property
-    def call_location(self) -> str:
-        """"file:line" of the call in the owner's method that led to the function holding the addition."""
-        if not self.calls:
-            return ""
-        code, pos = self.calls[0]
-        return f"{short_path(code.co_filename)}:{pos[0] if pos else code.co_firstlineno}"
-
-
-@dataclass
-class Observation:
-    nodes: list
-    events: list
-    module_paths: dict        # id(module) -> path
-    num_modules: int
-    num_ops: int
-    call_counts: dict = field(default_factory=dict)   # id(module) -> forward calls in the observed forward
 
 
 def _method_name_for(owner_type: type, code: CodeType, cache: dict) -> Optional[str]:
@@ -395,7 +295,8 @@ def run_example(model: nn.Module, example_input: Any):
 
 
 def observe(model: nn.Module, example_input: Any) -> Observation:
-    """Run one forward of ``model`` under the recorder (RNG state restored) and classify the additions."""
+    """Run one forward of ``model`` under the recorder (RNG state restored): every addition of two tensors, its
+    operands' dataflow and its source (which of them are merges: :func:`.classify.classify`)."""
     module_paths: dict[int, str] = {}
     for name, mod in model.named_modules(remove_duplicate=False):
         module_paths.setdefault(id(mod), name)
@@ -426,14 +327,6 @@ def observe(model: nn.Module, example_input: Any) -> Observation:
         finally:
             h1.remove()
             h2.remove()
-    merge_of: dict = {}   # result node of a merge -> its event
-    for ev in rec.events:
-        _classify(ev, rec.nodes, merge_of)
-        if ev.is_merge:
-            merge_of[ev.result] = ev
-        if ev.parallel_of is not None:
-            rec.events[ev.parallel_of].joined_by = ev.index
-    _check_partial_sums(rec.events, rec.nodes)
     obs = Observation(rec.nodes, rec.events, module_paths, len(module_paths), len(rec.nodes), calls)
     rec.keep.clear()
     return obs
@@ -511,194 +404,3 @@ _MODULE_INTERNALS = {"_parameters", "_buffers", "_modules", "_non_persistent_buf
                      "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                      "_load_state_dict_post_hooks"}
 
-
-# ---------------------------------------------------------------------------------------------- classify
-def _path_between(nodes: list, src: int, dst: int):
-    """Nodes on paths src -> dst (excluding src), or None when src is not an ancestor of dst."""
-    if src >= dst:
-        return None
-    seen = {dst}
-    stack = [dst]
-    while stack:
-        n = stack.pop()
-        for i in nodes[n].inputs:
-            if i >= src and i not in seen:
-                seen.add(i)
-                stack.append(i)
-    if src not in seen:
-        return None
-    reach = {src}
-    for n in sorted(seen):
-        if n != src and any(i in reach for i in nodes[n].inputs):
-            reach.add(n)
-    reach.discard(src)
-    return reach
-
-
-def _ancestors(nodes: list, start: int, limit: int = 200000) -> set:
-    seen = {start}
-    stack = [start]
-    while stack and len(seen) < limit:
-        n = stack.pop()
-        for i in nodes[n].inputs:
-            if i not in seen:
-                seen.add(i)
-                stack.append(i)
-    return seen
-
-
-def _classify(ev: AddEvent, nodes: list, merge_of: Optional[dict] = None) -> None:
-    a, b = ev.operands
-    if ev.not_candidate:
-        ev.reason = ev.not_candidate
-        return
-    if ev.shapes[0] != ev.shapes[1]:
-        ev.reason = (f"shapes differ ({_fmt(ev.shapes[0])} + {_fmt(ev.shapes[1])}): a broadcast addition "
-                     "(bias, mask or positional term)")
-        return
-    if not ev.floating:
-        ev.reason = "not floating point"
-        return
-    if ev.ndim == 0:
-        ev.reason = "0-dim tensors (a counter or a scalar)"
-        return
-    if a == b:
-        ev.reason = "adds a tensor to itself"
-        return
-    for stream, update, idx in ((a, b, 0), (b, a, 1)):
-        between = _path_between(nodes, stream, update)
-        if between is None:
-            continue
-        if not any(nodes[n].learned for n in between):
-            ev.reason = ("the update is computed from the stream without learned parameters "
-                         "(an elementwise expression, not a branch)")
-            return
-        # a merge on the way merges into a stream of its own (not this one, nor one computed from it): this
-        # operand is a tensor reused across layers, not a stream. A merge into this stream or into a tensor of
-        # the branch is a residual nested in the branch (a block inside a residual group, a residual norm)
-        foreign = _foreign_merges(stream, between, merge_of or {})
-        if foreign:
-            ev.reason = ("the other operand depends on this one only through another residual merge "
-                         f"({merge_of[foreign[0]].location}): a tensor reused across layers (e.g. an attention "
-                         "position bias added to every layer's scores), not a stream and its branch")
-            return
-        _set_branch(ev, idx, nodes, between)
-        return
-    # neither operand depends on the other. A part of a tensor (``x[:, :1]``, a class token; DPN's residual
-    # channels) whose branch reads the whole tensor: the part is the stream, the branch its update
-    for stream, update, idx in ((a, b, 0), (b, a, 1)):
-        node = nodes[stream]
-        if node.op not in _SLICES or not node.inputs:
-            continue
-        whole = node.inputs[0]
-        between = _path_between(nodes, whole, update)
-        if between is None or stream in between or not any(nodes[n].learned for n in between):
-            continue
-        if _foreign_merges(whole, between, merge_of or {}):
-            continue
-        _set_branch(ev, idx, nodes, between)
-        return
-    # A parallel block written as several additions
-    # (``x = attn + x; return mlp + x``, ``x + attn + mlp``): one operand is the result of a merge, the other a
-    # branch of that merge's stream (the block's input) -- the block's next partial sum, or its last addition
-    for stream, update, idx in ((a, b, 0), (b, a, 1)):
-        prev = (merge_of or {}).get(stream)
-        if prev is None:
-            continue
-        root = prev.stream_node
-        between = _path_between(nodes, root, update)
-        if between is None or not any(nodes[n].learned for n in between) or any(n in merge_of for n in between):
-            continue
-        ev.stream_operand = idx
-        ev.parallel_of = prev.index
-        ev.parallel_stream = root
-        ev.branch_ops = prev.branch_ops | frozenset(nodes[n].op for n in between)
-        ev.branch_modules = prev.branch_modules | frozenset(nodes[n].module for n in between)
-        ev.branch_learned = tuple(dict.fromkeys(prev.branch_learned + _learned_modules(nodes, between)))
-        ev.feature_dim = prev.feature_dim
-        return
-    anc_a = _ancestors(nodes, a)
-    anc_b = _ancestors(nodes, b)
-    common = [n for n in anc_a & anc_b if nodes[n].op != "param" and nodes[n].floating]
-    if not common:
-        ev.reason = ("combines independent tensors (neither operand depends on the other: "
-                     "e.g. a positional embedding, a mask or a bias)")
-        return
-    nca = max(common)
-    src = nodes[nca]
-    where = f"the output of {src.module}" if src.module else "one tensor"
-    if src.shape is not None and src.shape != ev.shapes[0]:
-        ev.reason = (f"projection shortcut: both operands are computed from {where} {_fmt(src.shape)}, "
-                     f"the sum has shape {_fmt(ev.shapes[0])}: there is no identity stream to merge into")
-    else:
-        ev.reason = ("combines two branches of one input (neither operand is the other's ancestor: "
-                     "e.g. parallel branches or a learned shortcut)")
-
-
-def _foreign_merges(stream: int, between: set, merge_of: dict) -> list:
-    """Merges on the path ``between`` that merge into a stream of their own (neither ``stream`` nor a tensor
-    computed from it), in order."""
-    return sorted(n for n in between if n in merge_of
-                  and merge_of[n].stream_node != stream and merge_of[n].stream_node not in between)
-
-
-def _set_branch(ev: AddEvent, idx: int, nodes: list, between: set) -> None:
-    """Classify ``ev`` as a merge whose stream is operand ``idx`` and whose branch is the nodes ``between``."""
-    ev.stream_operand = idx
-    ev.branch_ops = frozenset(nodes[n].op for n in between)
-    ev.branch_modules = frozenset(nodes[n].module for n in between)
-    ev.branch_learned = _learned_modules(nodes, between)
-    first = nodes[min(n for n in between if nodes[n].learned)]
-    ev.feature_dim = 1 if ev.ndim >= 3 and "conv" in first.op else -1
-
-
-def _check_partial_sums(events: list, nodes: list) -> None:
-    """A parallel block is one merge only when each partial sum feeds the block's next addition and nothing
-    else; otherwise its last addition gets a ``refusal`` naming the reader."""
-    readers: dict = {}
-    for node in nodes:
-        for i in node.inputs:
-            readers.setdefault(i, []).append(node.index)
-
-    def read_by(n: int, depth: int = 0) -> set:
-        out = set()
-        for r in readers.get(n, ()):
-            if nodes[r].op == "written_alias" and depth < 8:   # another name of the tensor: who reads it
-                out |= read_by(r, depth + 1)
-            else:
-                out.add(r)
-        return out
-
-    for ev in events:
-        if ev.parallel_of is None:
-            continue
-        prev = events[ev.parallel_of]
-        others = read_by(prev.result) - {ev.result}
-        if others:
-            other = nodes[min(others)]
-            where = f" in {other.module}" if other.module else ""
-            ev.refusal = (f"the sum of the merge at {prev.location} is also read by a {other.op!r} op{where}, not "
-                          "only by this addition of another branch of the same input")
-            prev.joined_by = None   # not a partial sum: a merge of its own
-
-
-def _learned_modules(nodes: list, between: set) -> tuple:
-    """Module paths running the learned ops of a branch, in execution order, each once."""
-    return tuple(dict.fromkeys(nodes[n].module for n in sorted(between) if nodes[n].learned))
-
-
-def short_path(filename: str) -> str:
-    """``filename`` relative to site-packages or the working directory when under them."""
-    norm = filename.replace("\\", "/")
-    for marker in ("/site-packages/", "/dist-packages/"):
-        if marker in norm:
-            return norm.rsplit(marker, 1)[1]
-    try:
-        rel = os.path.relpath(filename)
-    except ValueError:
-        return filename
-    return filename if rel.startswith("..") else rel
-
-
-def _fmt(shape) -> str:
-    return "(" + ", ".join(str(s) for s in shape) + ")"

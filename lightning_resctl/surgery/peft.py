@@ -18,7 +18,7 @@ from typing import Optional
 from torch import nn
 
 from ..rules import get_merge_rule, merge_rules
-from .plan import SITE_PREFIX
+from .record import SITE_PREFIX
 from .sites import MergeSite
 
 __all__ = ["peft_adapter", "refuse_adapter_without_its_rule", "save_rule_with_adapter"]

@@ -5,7 +5,7 @@ What a folder holds: the weights carry one site record per merge (``..._resctl_s
 :meth:`MergeSite.get_extra_state`) and the rule's new parameters (MGR's queries and biases); ``config.json``
 says ``"model_type": "lightning_resctl"`` and carries the patch's note (``"lightning_resctl": {"method",
 "options", "merges", "load_with", "base_model_type"}``: the model's own type), written on the model's ``config`` when it
-is patched (:func:`note_patch_on_config`, :mod:`.hf_auto`) and removed by ``unpatch_residuals``.
+is patched (:func:`.record.note_patch_on_config`) and removed by ``unpatch_residuals``.
 
 transformers alone (``AutoModelForCausalLM.from_pretrained(path)`` without ``lightning_resctl`` imported) fails on
 that model type instead of building the unpatched network; with ``lightning_resctl`` imported the Auto classes
@@ -16,75 +16,18 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import sys
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["from_pretrained", "CONFIG_KEY", "note_patch_on_config", "forget_patch_on_config", "example_input_for"]
+from .checkpoint import patch_from_checkpoint
+from .record import CONFIG_KEY, folder_model_config, is_site_key, register_folder_config
 
-#: the ``config.json`` attribute that says a folder holds a patched model
-CONFIG_KEY = "lightning_resctl"
-_SITE_KEY = "._resctl_site"
+__all__ = ["from_pretrained", "example_input_for"]
+
 _HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
-
-
-def _hf_config(model: nn.Module) -> Any:
-    """``model.config`` when it is a transformers ``PretrainedConfig`` (never imports transformers)."""
-    tf = sys.modules.get("transformers")
-    config = getattr(model, "config", None)
-    base = getattr(tf, "PretrainedConfig", None) if tf is not None else None
-    return config if base is not None and isinstance(config, base) else None
-
-
-def _auto_class_name(model: nn.Module, config: Any) -> str:
-    """The first transformers Auto class that builds ``type(model)`` from ``config`` (else the class's name)."""
-    name = type(model).__name__
-    try:
-        from transformers.models.auto import modeling_auto
-    except ImportError:  # pragma: no cover
-        return name
-    for auto in sorted(n for n in dir(modeling_auto) if n.startswith("AutoModel")):
-        names = getattr(getattr(getattr(modeling_auto, auto), "_model_mapping", None), "_model_mapping", None)
-        found = names.get(getattr(config, "model_type", None)) if isinstance(names, dict) else None
-        if found == name or (isinstance(found, (tuple, list)) and name in found):
-            return auto
-    return name
-
-
-def note_patch_on_config(model: nn.Module, report: Any) -> None:
-    """Write the patch's note on ``model.config`` (a transformers model; anything else is left alone), so that
-    ``save_pretrained`` puts it in ``config.json`` (``{"method", "options", "merges", "load_with"}``), and give the
-    config the subclass whose ``config.json`` names the patched model type (:func:`.hf_auto.folder_config_class`)."""
-    config = _hf_config(model)
-    if config is None:
-        return
-    from .hf_auto import folder_config_class, register_auto_classes
-    from .sites import _plain
-
-    register_auto_classes()
-    config.__class__ = folder_config_class(type(config))
-
-    setattr(config, CONFIG_KEY, {
-        "method": report.method,
-        "options": _plain(dict(report.options)),
-        "merges": len(report.sites),
-        "load_with": f"import lightning_resctl, then {_auto_class_name(model, config)}.from_pretrained(path) "
-                     f"(or lightning_resctl.from_pretrained({_auto_class_name(model, config)}, path))",
-        "note": "the weights hold lightning_resctl merge sites: transformers alone does not know this model type",
-    })
-
-
-def forget_patch_on_config(model: nn.Module) -> None:
-    """Remove the note of :func:`note_patch_on_config` and its config subclass (the model was unpatched)."""
-    config = _hf_config(model)
-    if config is not None and hasattr(config, CONFIG_KEY):
-        from .hf_auto import original_config_class
-
-        delattr(config, CONFIG_KEY)
-        config.__class__ = original_config_class(type(config))
 
 
 def example_input_for(model: nn.Module) -> Any:
@@ -211,15 +154,13 @@ def from_pretrained(model_class: Any, pretrained_model_name_or_path: Any, *model
     if not callable(getattr(model_class, "from_pretrained", None)):
         raise TypeError(f"model_class must be a transformers model class with from_pretrained (e.g. "
                         f"AutoModelForCausalLM), got {model_class!r}")
-    from .hf_auto import folder_model_config, register_auto_classes
-
-    register_auto_classes()
+    register_folder_config()
     want_info = bool(kwargs.pop("output_loading_info", False))
     hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
     where = _file_keys(_weight_files(pretrained_model_name_or_path, kwargs.get("variant"), hub))
-    if kwargs.get("config") is None and any(_SITE_KEY in k for k in where):  # the model's own config (hf_auto)
+    if kwargs.get("config") is None and any(is_site_key(k) for k in where):  # the model's own config (hf_auto)
         kwargs["config"] = folder_model_config(pretrained_model_name_or_path, hub)
-    if not any(_SITE_KEY in k for k in where):
+    if not any(is_site_key(k) for k in where):
         loaded = model_class.from_pretrained(pretrained_model_name_or_path, *model_args,
                                              output_loading_info=want_info, **kwargs)
         config = getattr(loaded[0] if want_info else loaded, "config", None)
@@ -233,8 +174,6 @@ def from_pretrained(model_class: Any, pretrained_model_name_or_path: Any, *model
                                                   output_loading_info=True, **kwargs)
     before = set(model.state_dict())
     extra = [k for k in where if k not in before]
-    from .checkpoint import patch_from_checkpoint
-
     tensors = _read(extra, where)
     if example_input is None:
         example_input = example_input_for(model)

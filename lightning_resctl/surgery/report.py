@@ -1,5 +1,5 @@
 """PatchReport: what :func:`patch_residuals` patched, what it skipped and why (the last step of the patch:
-observe -> plan -> bind -> **describe**)."""
+observe -> classify -> plan -> bind -> **describe**)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
