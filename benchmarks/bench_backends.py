@@ -81,7 +81,7 @@ def main(argv=None) -> None:
                 results[backend] = json.load(f)
     print(f"{args.layers} layers, C={args.C}, T={args.T}, batch {args.batch}: step time over plain "
           "(steady state after wait_for_compiles; first step in brackets), each backend in a fresh process")
-    print(f"| rule | " + " | ".join(BACKENDS) + " |")
+    print("| rule | " + " | ".join(BACKENDS) + " |")
     print("|---|" + "---|" * len(BACKENDS))
     for rule in args.rules:
         cells = []

@@ -90,7 +90,7 @@ def main() -> None:
     stream = args.batch * args.tokens * args.width * 4  # one stream vector per token, fp32
     print(f"{args.layers}-layer nanoGPT, C={args.width}, T={args.tokens}, batch {args.batch}, fp32, CPU; "
           f"one stream = {stream / MIB:.2f} MiB")
-    print(f"| model | checkpointing | saved MiB | held MiB | peak MiB | held / token / block (streams) |")
+    print("| model | checkpointing | saved MiB | held MiB | peak MiB | held / token / block (streams) |")
     print("|---|---|---|---|---|---|")
     for name, method, options in METHODS:
         for ckpt in (False, True):

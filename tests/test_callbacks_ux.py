@@ -9,7 +9,6 @@ import warnings
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 

@@ -156,7 +156,6 @@ def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]]
     missing = [(m, s) for s in seeds for m in methods
                if not any(r["method"] == m and r["seed"] == s for r in records)]
     plain_by_seed = {r["seed"]: r["final"] for r in runs_by_method.get(PLAIN, [])}
-    plain_stats = describe(plain_by_seed.values())
 
     per: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
