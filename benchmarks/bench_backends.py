@@ -26,9 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: benchmarks.models
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from step_bench import build_rows, ratio, rule_installer, time_interleaved  # noqa: E402
-
 from benchmarks.models import NanoGPT, add_step_arguments  # noqa: E402
+from step_bench import build_rows, ratio, rule_installer, time_interleaved  # noqa: E402
 
 BACKENDS = ("auto", "torch-compiled")
 

@@ -32,9 +32,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: benchmarks.models
 
+from benchmarks.models import NanoGPT  # noqa: E402
 from lightning_resctl import patch_residuals  # noqa: E402
 from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
-from benchmarks.models import NanoGPT  # noqa: E402
 
 METHODS = (("plain", None, {}), ("rescontroller", "rescontroller", {}),
            ("mgr n=4", "mgr", {"streams": 4, "backend": "torch-eager"}), ("attnres-block", "attnres-block", {}))

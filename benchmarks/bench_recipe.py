@@ -27,9 +27,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.models import NanoGPT, add_step_arguments  # noqa: E402
 from bench_checkpoint_memory import allocator_figures  # noqa: E402
 from bench_scaling import _names, default_rules  # noqa: E402
+from benchmarks.models import NanoGPT, add_step_arguments  # noqa: E402
 from step_bench import build_rows, ratio, rule_installer, time_interleaved  # noqa: E402
 
 MIB = 2 ** 20

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
-from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
-from lightning_resctl.surgery import patch_residuals  # noqa: E402
 from benchmarks.models import NanoGPT, add_step_arguments  # noqa: E402
+from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
+from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
+from lightning_resctl.surgery import patch_residuals  # noqa: E402
 
 VARIANTS = ("unpatched", "add", "rescontroller", "mgr")
 GOALS = {"add": (1.02, None), "rescontroller": (1.10, 1.2), "mgr": (1.30, 1.3)}

@@ -25,9 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import lightning as L  # noqa: E402
 from litgpt import GPT, Config  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 

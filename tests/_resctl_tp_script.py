@@ -33,8 +33,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from _resctl_ckpt_dist_script import randomize_rule  # noqa: E402
-from models import NanoGPT  # noqa: E402
 from lightning_resctl import get_merge_rule, merge_rules, parallelize_residuals, patch_residuals  # noqa: E402
+from models import NanoGPT  # noqa: E402
 
 CFG = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 RULES = merge_rules()
@@ -75,8 +75,13 @@ def plan(model: torch.nn.Module, layout: str) -> dict:
     part of the sequence (``Shard(1)``): norms ``SequenceParallel``, the attention gathers its input and keeps its
     part of the output, the final norm gathers the stream."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     out = {}
     for i in range(len(model.h)):

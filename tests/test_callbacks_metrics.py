@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_resctl.rules.rescontroller.stats import ControllerStats
 from lightning_resctl.diagnostics.metrics import GradStats, StreamStats, histogram_median
-from lightning_resctl.rules.mgr.stats import MGRStats
 from lightning_resctl.diagnostics.plots import curves_figure, figure_to_array, heatmap_figure
+from lightning_resctl.rules.mgr.stats import MGRStats
 from lightning_resctl.rules.rescontroller import rescontroller_scales
+from lightning_resctl.rules.rescontroller.stats import ControllerStats
 
 
 def _rms(t):

@@ -13,10 +13,9 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_resctl.callbacks import ResidualAblationCallback, ResidualControlCallback
-from lightning_resctl.surgery.patcher import ResidualPatcher
 from lightning_resctl.surgery import get_patch_report, merge_sites, patch_residuals
-
-from test_callbacks import LitGPT, _ObserverProbe, _acc, _loader, _scalars, _trainer
+from lightning_resctl.surgery.patcher import ResidualPatcher
+from test_callbacks import LitGPT, _acc, _loader, _ObserverProbe, _scalars, _trainer
 
 
 # ---------------------------------------------------------------------------------------------- one patch owner

@@ -120,7 +120,6 @@ def test_python_api_runs_the_same_job_and_reports_refusals_and_false_identity(st
     """The API on the same model, data and Trainer settings gives the command line's runs bit for bit; a rule the
     surgery refuses gets its line and the others run; a rule that claims identity at init but is not is flagged."""
     from compare_toy import ToyData, ToyLM
-
     from lightning_resctl.rules import MergeRule, base
 
     class Halved(MergeRule):
@@ -336,7 +335,6 @@ def test_builtin_gpt_starts_every_identity_rule_as_plain_and_the_check_catches_t
 
 def test_init_check_measures_outputs_and_gradients_and_reports_refusals(one_thread):
     from compare_toy import ToyData, ToyLM
-
     from lightning_resctl.compare.fairness import InitProbe, RefusedError, init_difference
 
     dm = ToyData()
@@ -403,10 +401,10 @@ def test_builtin_default_job_by_the_command_line(tmp_path, capfd, caplog):
 
 
 def test_rule_identity_claims_are_read_from_the_registry(monkeypatch):
+    from dataclasses import dataclass
+
     from lightning_resctl.compare.methods import claims_identity_at_init
     from lightning_resctl.rules import MergeRule, base
-
-    from dataclasses import dataclass
 
     @dataclass
     class Cfg:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import importlib
 import os
 import re
-from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
 import shlex
 import subprocess
 import sys
+from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import pytest

@@ -234,9 +234,9 @@ def fresh_rule_regions(monkeypatch):
 def test_after_the_wait_the_default_backend_runs_every_merge_compiled(method, fresh_rule_regions):
     """The default backend's steady state is the compiled one: once ``wait_for_compiles()`` returned, training
     steps call no region eagerly, and the regions hold the graphs ``backend="torch-compiled"`` compiles."""
+    from benchmarks.models import NanoGPT, gpt_loss
     from lightning_resctl import patch_residuals
     from lightning_resctl.runtime.regions import region_calls
-    from benchmarks.models import NanoGPT, gpt_loss
 
     def steps(model, n):
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)

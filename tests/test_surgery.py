@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import functools
+import inspect
 import json
 
 import pytest

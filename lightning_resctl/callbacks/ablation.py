@@ -7,10 +7,9 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
-from torch import nn
-
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 
 from ..diagnostics.ablation import ablate
 from ..surgery.patcher import ResidualPatcher, merge_options
