@@ -54,7 +54,8 @@ def _eager(calls: dict) -> int:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_arguments(p, layers=12, C=256, reps=15)
     p.add_argument("--rules", default="mgr-competitive,mgr-independent,rescontroller",
                    help="comma-separated rule names")

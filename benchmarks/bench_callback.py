@@ -115,7 +115,8 @@ CALLBACK_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_optim
 
 
 def _data(args) -> DataLoader:
-    tok = torch.randint(0, args.vocab, (args.batch * args.steps, args.seq + 1), generator=torch.Generator().manual_seed(1))
+    tok = torch.randint(0, args.vocab, (args.batch * args.steps, args.seq + 1),
+                        generator=torch.Generator().manual_seed(1))
     return DataLoader(TensorDataset(tok[:, :-1], tok[:, 1:]), batch_size=args.batch, shuffle=False)
 
 

@@ -12,7 +12,8 @@ the first step (its compile time, shown apart) and ``--warmup`` steps; peak memo
 forward and backward of one loss beyond what it held before (``torch.profiler`` memory events, as
 ``bench_checkpoint_memory.py`` measures it). Each block of a patched model compiles its own graphs (its merges are
 other positions of the chain), and the rules' merges share code objects, so dynamo's ``recompile_limit`` is raised
-to 4 graphs per block per rule measured. Prints one markdown table: ms/step, step time / plain, peak MiB, peak / plain, first step.
+to 4 graphs per block per rule measured. Prints one markdown table: ms/step, step time / plain, peak MiB,
+peak / plain, first step.
 """
 from __future__ import annotations
 

@@ -189,7 +189,8 @@ def tables(args, results: dict) -> str:
             cells = []
             for c in cols:
                 r = _cell_ratio(results[c], name, key, mode)
-                cells.append(f"{r:.3f}×" if r is not None else (results[c].get(_key(name, mode), {}).get("note") or "–"))
+                note = results[c].get(_key(name, mode), {}).get("note")
+                cells.append(f"{r:.3f}×" if r is not None else (note or "–"))
             out.append(f"| `{name}` | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
