@@ -120,7 +120,8 @@ def main(mode: str, out: Path, gating: str = "competitive", name: str | None = N
     logger = L.pytorch.loggers.TensorBoardLogger(save_dir=str(out), name=name, version=0)
     common = dict(
         accelerator="cpu", max_steps=2, logger=logger, callbacks=[cb, abl, rec], enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1, limit_val_batches=1,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
+        limit_val_batches=1,
         use_distributed_sampler=False,
     )
     if mode == "single":

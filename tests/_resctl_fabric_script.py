@@ -99,7 +99,8 @@ def run_trainer(out: Path, name: str) -> dict:
     module = LitModule()
     trainer.fit(module, train, val)
     return dict(rank=0, world=1, depth_profile=cb.depth_profile, loss_increase=abl.loss_increase,
-                base_loss=abl.base_loss, state={k.removeprefix("model."): v.detach().clone() for k, v in module.state_dict().items()})
+                base_loss=abl.base_loss,
+                state={k.removeprefix("model."): v.detach().clone() for k, v in module.state_dict().items()})
 
 
 def run_fabric(out: Path, name: str, devices: int) -> dict:

@@ -13,8 +13,9 @@ rules' parameters left plain (their messages, per rule).
 
 ``lightning``: ``Trainer(strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2))`` with
 ``ResidualControlCallback``: ``configure_model`` patches (``patch_in_configure_model``), parallelizes (sequence
-parallel) and calls ``parallelize_residuals``, one SGD step; rank r writes ``lightning_rank{r}.pt``. Then ``configure_model``
-parallelizes without patching first: the callback's refusal (``add`` and the chain rule, the messages).
+parallel) and calls ``parallelize_residuals``, one SGD step; rank r writes ``lightning_rank{r}.pt``. Then
+``configure_model`` parallelizes without patching first: the callback's refusal (``add`` and the chain rule, the
+messages).
 
 ``recipe``: the whole at-scale recipe on a 2 x 2 mesh (4 processes), see :func:`run_recipe`.
 

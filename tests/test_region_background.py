@@ -224,7 +224,8 @@ def fresh_rule_regions(monkeypatch):
     (then new signatures run eagerly by design). Give this test empty ones."""
     import importlib
 
-    for module, name in (("lightning_resctl.rules.rescontroller.ops", "_math_fns"), ("lightning_resctl.rules.mgr.ops", "_torch_fns")):
+    for module, name in (("lightning_resctl.rules.rescontroller.ops", "_math_fns"),
+                         ("lightning_resctl.rules.mgr.ops", "_torch_fns")):
         math = getattr(importlib.import_module(module), name)
         monkeypatch.setattr(math, "regions", None)
 
