@@ -26,9 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: benchmarks.models
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from step_bench import build_rows, ratio, rule_installer, time_interleaved  # noqa: E402
-
 from benchmarks.models import NanoGPT, add_step_arguments  # noqa: E402
+from step_bench import build_rows, ratio, rule_installer, time_interleaved  # noqa: E402
 
 BACKENDS = ("auto", "torch-compiled")
 
@@ -55,7 +54,8 @@ def _eager(calls: dict) -> int:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_arguments(p, layers=12, C=256, reps=15)
     p.add_argument("--rules", default="mgr-competitive,mgr-independent,rescontroller",
                    help="comma-separated rule names")
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
                 results[backend] = json.load(f)
     print(f"{args.layers} layers, C={args.C}, T={args.T}, batch {args.batch}: step time over plain "
           "(steady state after wait_for_compiles; first step in brackets), each backend in a fresh process")
-    print(f"| rule | " + " | ".join(BACKENDS) + " |")
+    print("| rule | " + " | ".join(BACKENDS) + " |")
     print("|---|" + "---|" * len(BACKENDS))
     for rule in args.rules:
         cells = []

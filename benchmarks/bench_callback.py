@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
+from benchmarks.models import NanoGPT  # noqa: E402
 from lightning_resctl.callbacks import ResidualControlCallback  # noqa: E402
 from lightning_resctl.diagnostics import ResidualMonitor  # noqa: E402
+from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
 from lightning_resctl.surgery import patch_residuals  # noqa: E402
-from benchmarks.models import NanoGPT  # noqa: E402
 
 
 class Lit(L.LightningModule):
@@ -115,7 +115,8 @@ CALLBACK_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_optim
 
 
 def _data(args) -> DataLoader:
-    tok = torch.randint(0, args.vocab, (args.batch * args.steps, args.seq + 1), generator=torch.Generator().manual_seed(1))
+    tok = torch.randint(0, args.vocab, (args.batch * args.steps, args.seq + 1),
+                        generator=torch.Generator().manual_seed(1))
     return DataLoader(TensorDataset(tok[:, :-1], tok[:, 1:]), batch_size=args.batch, shuffle=False)
 
 

@@ -32,9 +32,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: benchmarks.models
 
+from benchmarks.models import NanoGPT  # noqa: E402
 from lightning_resctl import patch_residuals  # noqa: E402
 from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
-from benchmarks.models import NanoGPT  # noqa: E402
 
 METHODS = (("plain", None, {}), ("rescontroller", "rescontroller", {}),
            ("mgr n=4", "mgr", {"streams": 4, "backend": "torch-eager"}), ("attnres-block", "attnres-block", {}))
@@ -90,7 +90,7 @@ def main() -> None:
     stream = args.batch * args.tokens * args.width * 4  # one stream vector per token, fp32
     print(f"{args.layers}-layer nanoGPT, C={args.width}, T={args.tokens}, batch {args.batch}, fp32, CPU; "
           f"one stream = {stream / MIB:.2f} MiB")
-    print(f"| model | checkpointing | saved MiB | held MiB | peak MiB | held / token / block (streams) |")
+    print("| model | checkpointing | saved MiB | held MiB | peak MiB | held / token / block (streams) |")
     print("|---|---|---|---|---|---|")
     for name, method, options in METHODS:
         for ckpt in (False, True):

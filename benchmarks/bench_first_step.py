@@ -11,8 +11,9 @@ training step (forward, loss, backward, AdamW step) with a fresh ``TORCHINDUCTOR
 stepping until the rule's compiled regions are ready (:func:`lightning_resctl.wait_for_compiles`, printed
 as "compiled after"), which fills that cache directory, and a second fresh process times the first step again with
 it ("warm"). Printed per row: wall seconds of the first step, its CPU seconds (the process's threads and its
-finished subprocesses, e.g. the C++ compiler), and the extra wall seconds over "plain" of the same model. (Inductor keeps precompiled headers outside the cache directory, so "cold" still finds
-those of an earlier run on the machine.)
+finished subprocesses, e.g. the C++ compiler), and the extra wall seconds over "plain" of the same model.
+(Inductor keeps precompiled headers outside the cache directory, so "cold" still finds those of an earlier run on
+the machine.)
 
 **Whole-model torch.compile** (goal: a patched model compiles in ≤ 1.5x the unpatched model's time): a 4-layer
 nanoGPT (C=256, T=64, batch 8) wrapped in ``torch.compile``, one fresh process and a fresh cache per rule; the first
@@ -185,7 +186,8 @@ def compile_table(args) -> list[str]:
             plain = plain or res
             flag = " " if res["first_s"] / plain["first_s"] <= COMPILE_GOAL else "!"
             row = (f"{rule:<18}{res['first_s']:>9.1f}{res['first_cpu_s']:>9.1f}"
-                   f"{res['first_s'] / plain['first_s']:>15.2f}{flag}{res['first_cpu_s'] / plain['first_cpu_s']:>15.2f}")
+                   f"{res['first_s'] / plain['first_s']:>15.2f}{flag}"
+                   f"{res['first_cpu_s'] / plain['first_cpu_s']:>15.2f}")
         print(row, flush=True)
         lines.append(row)
     lines.append(f"goal: <= {COMPILE_GOAL}x plain ('!' marks a miss)")

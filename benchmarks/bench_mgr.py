@@ -22,11 +22,10 @@ import time
 import torch
 from torch import nn
 
-from lightning_resctl.runtime.triton import triton_available
-from lightning_resctl.runtime.regions import wait_for_compiles
-from lightning_resctl.runtime.memory import saved_tensor_bytes
 from lightning_resctl.rules.mgr import MGRChain, mgr_step_reference
-
+from lightning_resctl.runtime.memory import saved_tensor_bytes
+from lightning_resctl.runtime.regions import wait_for_compiles
+from lightning_resctl.runtime.triton import triton_available
 
 CLOCK = time.perf_counter
 

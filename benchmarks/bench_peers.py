@@ -156,8 +156,9 @@ def report(rows: list[dict], args) -> str:
         fns = rc_mod._math_fns.regions
         if fns:
             fails = [f.failed for f in fns if f.failed]
-            print(f"ResController compiled CPU regions (compiled in the background): graphs forward {fns[0].num_graphs}, "
-                  f"backward {fns[1].num_graphs}" + (f"; FELL BACK: {fails}" if fails else ""))
+            print("ResController compiled CPU regions (compiled in the background): "
+                  f"graphs forward {fns[0].num_graphs}, backward {fns[1].num_graphs}"
+                  + (f"; FELL BACK: {fails}" if fails else ""))
         else:
             print("ResController compiled CPU region: not used (no C++ compiler, LIGHTNING_RESCTL_COMPILE=0 or GPU)")
     except Exception:  # noqa: BLE001

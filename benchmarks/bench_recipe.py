@@ -12,7 +12,8 @@ the first step (its compile time, shown apart) and ``--warmup`` steps; peak memo
 forward and backward of one loss beyond what it held before (``torch.profiler`` memory events, as
 ``bench_checkpoint_memory.py`` measures it). Each block of a patched model compiles its own graphs (its merges are
 other positions of the chain), and the rules' merges share code objects, so dynamo's ``recompile_limit`` is raised
-to 4 graphs per block per rule measured. Prints one markdown table: ms/step, step time / plain, peak MiB, peak / plain, first step.
+to 4 graphs per block per rule measured. Prints one markdown table: ms/step, step time / plain, peak MiB,
+peak / plain, first step.
 """
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.models import NanoGPT, add_step_arguments  # noqa: E402
 from bench_checkpoint_memory import allocator_figures  # noqa: E402
 from bench_scaling import _names, default_rules  # noqa: E402
+from benchmarks.models import NanoGPT, add_step_arguments  # noqa: E402
 from step_bench import build_rows, ratio, rule_installer, time_interleaved  # noqa: E402
 
 MIB = 2 ** 20

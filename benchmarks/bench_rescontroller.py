@@ -37,11 +37,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: benchmarks.models
 
-from lightning_resctl.runtime.backends import cpu_compile_available
-from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
+from lightning_resctl.rules.rescontroller import rescontroller, rescontroller_reference  # noqa: E402
+from lightning_resctl.rules.rescontroller.ops import _ResControllerFunction  # noqa: E402
+from lightning_resctl.runtime.backends import cpu_compile_available  # noqa: E402
 from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
-from lightning_resctl.rules.rescontroller.ops import _ResControllerFunction
-from lightning_resctl.rules.rescontroller import rescontroller, rescontroller_reference  # noqa: E402,E501
+from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
 
 OPTS = (0.18, 1.08, 8.0, 8.0, 1e-12)
 

@@ -42,8 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lightning_resctl.rules import get_merge_rule, merge_rules  # noqa: E402
 from benchmarks.models import NanoGPT, gpt_loss  # noqa: E402
+from lightning_resctl.rules import get_merge_rule, merge_rules  # noqa: E402
 from step_bench import build_rows, compile_modes, compiled_rows, ratio, rule_installer, time_interleaved  # noqa: E402
 
 #: (rules, width or None for every width, step-time goal, saved-bytes goal or None) — issue 24's goals.
@@ -189,7 +189,8 @@ def tables(args, results: dict) -> str:
             cells = []
             for c in cols:
                 r = _cell_ratio(results[c], name, key, mode)
-                cells.append(f"{r:.3f}×" if r is not None else (results[c].get(_key(name, mode), {}).get("note") or "–"))
+                note = results[c].get(_key(name, mode), {}).get("note")
+                cells.append(f"{r:.3f}×" if r is not None else (note or "–"))
             out.append(f"| `{name}` | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
@@ -281,8 +282,7 @@ def machine_line(args) -> str:
 # ---------------------------------------------------------------------------------------------- profile
 def profile(args) -> None:
     """One step of plain and of ``args.profile`` under torch.profiler: ops by self CPU time, ops per merge."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+    from torch.profiler import ProfilerActivity, profile as torch_profile
 
     layers, width = args.depths[0], args.widths[0]
     base, idx = _model_and_batch(args, layers, width)

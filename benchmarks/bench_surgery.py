@@ -2,13 +2,14 @@
 
     python benchmarks/bench_surgery.py [--reps 15] [--batch 8] [--models nanogpt,gpt2] [--threads 1] [--clock cpu]
 
-For each model (the nanoGPT-style GPT of lightning_resctl/compare/nanogpt.py: 12 layers, C=256, T=64; and HF GPT-2 with the same
-small config), four copies of the same initial weights are built: unpatched, and patched with ``add``,
-``rescontroller`` and ``mgr`` (n=4). Their training steps (forward, loss, backward, AdamW step) are timed
+For each model (the nanoGPT-style GPT of lightning_resctl/compare/nanogpt.py: 12 layers, C=256, T=64; and HF
+GPT-2 with the same small config), four copies of the same initial weights are built: unpatched, and patched with
+``add``, ``rescontroller`` and ``mgr`` (n=4). Their training steps (forward, loss, backward, AdamW step) are timed
 side by side in one process, interleaved (every repetition runs each variant once, in a rotating order), and
 the median step time of each variant is divided by the unpatched median. The default clock is the process
-CPU time with one intra-op thread (robust when other jobs share the machine); ``--clock wall`` uses wall time. Saved-for-backward bytes are
-measured with ``torch.autograd.graph.saved_tensors_hooks`` (deduplicated by storage) over one forward.
+CPU time with one intra-op thread (robust when other jobs share the machine); ``--clock wall`` uses wall time.
+Saved-for-backward bytes are measured with ``torch.autograd.graph.saved_tensors_hooks`` (deduplicated by storage)
+over one forward.
 Patch time is the wall time of ``patch_residuals`` (one observed forward + rewrite).
 
 Goals (issue 4): add within 2% of unpatched; rescontroller <= 1.10x and mgr <= 1.30x step time;
@@ -28,10 +29,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
-from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
-from lightning_resctl.surgery import patch_residuals  # noqa: E402
 from benchmarks.models import NanoGPT, add_step_arguments  # noqa: E402
+from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
+from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
+from lightning_resctl.surgery import patch_residuals  # noqa: E402
 
 VARIANTS = ("unpatched", "add", "rescontroller", "mgr")
 GOALS = {"add": (1.02, None), "rescontroller": (1.10, 1.2), "mgr": (1.30, 1.3)}

@@ -541,8 +541,8 @@ def summarize(rows, vs, counted, args) -> dict:
         line += (f"; bytes moved = the minimum in {minimal}/{len(counts)} variants (worst {worst:.2f}x the minimum"
                  f"{', byte count failed for ' + str(count_failures) if count_failures else ''})")
         if over:
-            line += "; above the minimum: " + ", ".join(sorted({f"{r} {d} C>={min(c for rr, dd, c in over if (rr, dd) == (r, d))}"
-                                                                 for r, d, _ in over}))
+            smallest = {(r, d): min(c for rr, dd, c in over if (rr, dd) == (r, d)) for r, d, _ in over}
+            line += "; above the minimum: " + ", ".join(sorted(f"{r} {d} C>={c}" for (r, d), c in smallest.items()))
     ok = failures == 0 and spilled == 0 and low == 0 and count_failures == 0 and narrow == 0 and overfull == 0
     return dict(line=line, ok=ok, failures=failures, spilled_bytes=spilled, fp64_spilled_bytes=fp64_spilled,
                 narrow_loads=narrow, overfull_grids=overfull,

@@ -34,9 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: benchmarks.models
 
-from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
-from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
 from benchmarks.models import gpt_loss  # noqa: E402
+from lightning_resctl.runtime.memory import saved_tensor_bytes  # noqa: E402
+from lightning_resctl.runtime.regions import wait_for_compiles  # noqa: E402
 
 __all__ = ["rule_installer", "build_rows", "compiled_rows", "compile_modes", "time_interleaved", "ratio",
            "first_line"]

@@ -15,12 +15,13 @@ help my model?": a matched comparison of the methods on your LightningModule.
 """
 from __future__ import annotations
 
+# `compare` and `rescontroller` are the functions, not the submodules of the same names (importing a submodule
+# binds the package attribute to the module; these imports rebind it). Submodules stay importable with
+# `from lightning_resctl.compare import cli`.
+from .compare import compare
+from .rules.rescontroller import rescontroller
 from .runtime.lazy import lazy_exports as _lazy_exports
 from .runtime.triton import triton_available
-# The functions, not the submodules of the same names (importing a submodule binds the package attribute to the
-# module; these imports rebind it). Submodules stay importable with `from lightning_resctl.compare import cli`.
-from .rules.rescontroller import rescontroller
-from .compare import compare
 
 __version__ = "0.1.0"
 

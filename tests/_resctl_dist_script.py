@@ -21,17 +21,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
-from models import NanoGPT  # noqa: E402
 from lightning_resctl.callbacks import (  # noqa: E402
     ResidualAblationCallback,
     ResidualControlCallback,
     patch_in_configure_model,
 )  # noqa: E402
+from models import NanoGPT  # noqa: E402
 
 CFG = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 STREAMS = 2  # MGR streams: with 4 merges, merges 1..3 are gated
@@ -120,7 +120,8 @@ def main(mode: str, out: Path, gating: str = "competitive", name: str | None = N
     logger = L.pytorch.loggers.TensorBoardLogger(save_dir=str(out), name=name, version=0)
     common = dict(
         accelerator="cpu", max_steps=2, logger=logger, callbacks=[cb, abl, rec], enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1, limit_val_batches=1,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
+        limit_val_batches=1,
         use_distributed_sampler=False,
     )
     if mode == "single":

@@ -25,9 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import lightning as L  # noqa: E402
 from litgpt import GPT, Config  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -99,7 +99,8 @@ def run_trainer(out: Path, name: str) -> dict:
     module = LitModule()
     trainer.fit(module, train, val)
     return dict(rank=0, world=1, depth_profile=cb.depth_profile, loss_increase=abl.loss_increase,
-                base_loss=abl.base_loss, state={k.removeprefix("model."): v.detach().clone() for k, v in module.state_dict().items()})
+                base_loss=abl.base_loss,
+                state={k.removeprefix("model."): v.detach().clone() for k, v in module.state_dict().items()})
 
 
 def run_fabric(out: Path, name: str, devices: int) -> dict:

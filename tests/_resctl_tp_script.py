@@ -13,8 +13,9 @@ rules' parameters left plain (their messages, per rule).
 
 ``lightning``: ``Trainer(strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2))`` with
 ``ResidualControlCallback``: ``configure_model`` patches (``patch_in_configure_model``), parallelizes (sequence
-parallel) and calls ``parallelize_residuals``, one SGD step; rank r writes ``lightning_rank{r}.pt``. Then ``configure_model``
-parallelizes without patching first: the callback's refusal (``add`` and the chain rule, the messages).
+parallel) and calls ``parallelize_residuals``, one SGD step; rank r writes ``lightning_rank{r}.pt``. Then
+``configure_model`` parallelizes without patching first: the callback's refusal (``add`` and the chain rule, the
+messages).
 
 ``recipe``: the whole at-scale recipe on a 2 x 2 mesh (4 processes), see :func:`run_recipe`.
 
@@ -33,8 +34,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from _resctl_ckpt_dist_script import randomize_rule  # noqa: E402
-from models import NanoGPT  # noqa: E402
 from lightning_resctl import get_merge_rule, merge_rules, parallelize_residuals, patch_residuals  # noqa: E402
+from models import NanoGPT  # noqa: E402
 
 CFG = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 RULES = merge_rules()
@@ -75,8 +76,13 @@ def plan(model: torch.nn.Module, layout: str) -> dict:
     part of the sequence (``Shard(1)``): norms ``SequenceParallel``, the attention gathers its input and keeps its
     part of the output, the final norm gathers the stream."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     out = {}
     for i in range(len(model.h)):

@@ -4,7 +4,8 @@ import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# the repository root, so that the helpers shared with the benchmarks import as ``benchmarks.models`` / ``benchmarks.timm_import``
+# the repository root, so that the helpers shared with the benchmarks import as ``benchmarks.models`` /
+# ``benchmarks.timm_import``
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
@@ -28,23 +29,29 @@ QUICK = {
     "test_rule_mhc_lite.py": None,
     "test_compare_power.py": None,
     "test_quick_subset.py": None,
-    "test_rescontroller.py": ("test_reference_is_the_spec", "test_scales_shapes_and_dtypes", "test_regimes_are_what_they_claim",
-                              "test_paths_match_reference_in_every_regime", "test_fp32_matches_reference",
-                              "test_mixed_dtypes_promote_like_add", "test_channels_first_dim1", "test_zero_rows_stay_finite",
+    "test_rescontroller.py": ("test_reference_is_the_spec", "test_scales_shapes_and_dtypes",
+                              "test_regimes_are_what_they_claim", "test_paths_match_reference_in_every_regime",
+                              "test_fp32_matches_reference", "test_mixed_dtypes_promote_like_add",
+                              "test_channels_first_dim1", "test_zero_rows_stay_finite",
                               "test_nan_and_inf_propagate_per_row", "test_tiny_update_passes_through",
-                              "test_oversized_update_is_pulled_to_the_cap", "test_rows_are_independent", "test_module_api",
-                              "test_bad_input", "test_bad_backend_and_module_options"),
-    "test_rules_registry.py": ("test_builtin_names_and_variants", "test_variant_names_work_in_patch_residuals_as_in_the_cli",
+                              "test_oversized_update_is_pulled_to_the_cap", "test_rows_are_independent",
+                              "test_module_api", "test_bad_input", "test_bad_backend_and_module_options"),
+    "test_rules_registry.py": ("test_builtin_names_and_variants",
+                               "test_variant_names_work_in_patch_residuals_as_in_the_cli",
                                "test_bad_options_name_the_argument", "test_register_refuses_bad_entries",
-                               "test_outside_rule_works_by_name_in_patch_residuals", "test_a_chain_rule_must_build_a_chain"),
+                               "test_outside_rule_works_by_name_in_patch_residuals",
+                               "test_a_chain_rule_must_build_a_chain"),
     "test_layout.py": ("test_imports_run_one_way", "test_imports_run_one_way_sees_an_upward_import",
                        "test_surgery_names_no_backend", "test_every_package_folder_ships"),
     "test_cli.py": ("test_bare_command_prints_help_and_starts_no_job",
                     "test_version_names_the_installed_stack_beside_the_versions_the_suite_runs_against",
-                    "test_help_starts_with_what_a_compare_user_needs", "test_compare_flags_and_their_yaml_section_are_one_option",
-                    "test_bad_values_stop_before_anything_runs_and_say_which", "test_progress_line_names_run_method_seed_and_eta"),
+                    "test_help_starts_with_what_a_compare_user_needs",
+                    "test_compare_flags_and_their_yaml_section_are_one_option",
+                    "test_bad_values_stop_before_anything_runs_and_say_which",
+                    "test_progress_line_names_run_method_seed_and_eta"),
     "test_readme.py": ("test_ci_reads_the_test_command_line", "test_readme_is_a_front_page",
-                       "test_relative_links_point_to_existing_files_and_headings", "test_prose_names_existing_modules_and_paths",
+                       "test_relative_links_point_to_existing_files_and_headings",
+                       "test_prose_names_existing_modules_and_paths",
                        "test_a_quoted_figure_that_no_results_file_holds_is_caught",
                        "test_quoted_figures_are_in_the_results_files_they_come_from",
                        "test_the_readme_links_and_cites_each_rules_paper_and_citation_cff_lists_the_same",

@@ -7,10 +7,7 @@
 """
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["NanoGPT", "CausalSelfAttention", "MLP", "Block", "TinyViT", "ViTBlock", "BranchyNet"]

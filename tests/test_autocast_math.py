@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_resctl.runtime.backends import cpu_compile_available
 from lightning_resctl.rules import get_merge_rule, make_rule, merge_rules
+from lightning_resctl.runtime.backends import cpu_compile_available
 from lightning_resctl.surgery import patch_residuals
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 

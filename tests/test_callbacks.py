@@ -12,14 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tbparse import SummaryReader
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_resctl.callbacks import ResidualAblationCallback, ResidualControlCallback
 from lightning_resctl.surgery import get_patch_report, merge_sites
-
 from models import NanoGPT
 
 CFG = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
 from lightning.pytorch.cli import _JSONARGPARSE_SIGNATURES_AVAILABLE, LightningCLI  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _JSONARGPARSE_SIGNATURES_AVAILABLE,
@@ -11,7 +10,6 @@ pytestmark = pytest.mark.skipif(not _JSONARGPARSE_SIGNATURES_AVAILABLE,
 
 from lightning_resctl.callbacks import ResidualAblationCallback, ResidualControlCallback  # noqa: E402
 from lightning_resctl.surgery import get_patch_report  # noqa: E402
-
 from test_callbacks import LitGPT, _loader  # noqa: E402
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from lightning_resctl import ResidualAblationCallback, ResidualControlCallback
-
 from test_callbacks import LitGPT, _loader, _trainer
 
 FIGURES = ("depth_profile/rms", "depth_profile/ratio", "depth_heatmap/stream_rms", "depth_heatmap/update_ratio",

@@ -1,4 +1,5 @@
-"""Per-depth metric math (lightning_resctl.diagnostics.metrics) and the plotting helpers (lightning_resctl.diagnostics.plots)."""
+"""Per-depth metric math (lightning_resctl.diagnostics.metrics) and the plotting helpers
+(lightning_resctl.diagnostics.plots)."""
 from __future__ import annotations
 
 import math
@@ -7,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_resctl.rules.rescontroller.stats import ControllerStats
 from lightning_resctl.diagnostics.metrics import GradStats, StreamStats, histogram_median
-from lightning_resctl.rules.mgr.stats import MGRStats
 from lightning_resctl.diagnostics.plots import curves_figure, figure_to_array, heatmap_figure
+from lightning_resctl.rules.mgr.stats import MGRStats
 from lightning_resctl.rules.rescontroller import rescontroller_scales
+from lightning_resctl.rules.rescontroller.stats import ControllerStats
 
 
 def _rms(t):
@@ -60,7 +61,8 @@ def test_histogram_median_exact_on_bin_edges():
     assert med == pytest.approx(2.0, rel=0.045)
 
 
-@pytest.mark.parametrize("cls,kw", [(StreamStats, {}), (ControllerStats, {}), (MGRStats, {"streams": 3}), (GradStats, {})])
+@pytest.mark.parametrize("cls,kw", [(StreamStats, {}), (ControllerStats, {}), (MGRStats, {"streams": 3}),
+                                    (GradStats, {})])
 def test_reduced_states_equal_union_of_data(cls, kw):
     """Merging two 'ranks' with each state's dist_reduce_fx == one metric fed the union."""
     torch.manual_seed(1)
@@ -119,7 +121,8 @@ def test_mgr_stats_values():
     assert out["pool_entropy"][1].item() == pytest.approx(math.log(n))
     torch.testing.assert_close(out["stream_rms"][1], streams.double().pow(2).mean((0, 1, 3)).sqrt())
     unit = torch.nn.functional.normalize(streams.double(), dim=-1)
-    angles = [torch.acos((unit[..., i, :] * unit[..., j, :]).sum(-1).clamp(-1, 1)) for i in range(n) for j in range(i + 1, n)]
+    angles = [torch.acos((unit[..., i, :] * unit[..., j, :]).sum(-1).clamp(-1, 1))
+              for i in range(n) for j in range(i + 1, n)]
     assert out["angle"][1].item() == pytest.approx(torch.stack(angles).mean().item(), rel=1e-9)
     assert math.isnan(out["angle"][0].item())  # one stream: no pair
     assert torch.isnan(out["stream_rms"][0, 1:]).all() and torch.isfinite(out["stream_rms"][0, 0])
@@ -136,10 +139,12 @@ def test_grad_stats():
 
 
 def test_plots_render_chw_uint8():
-    fig = curves_figure({"a": ([0, 1, 2], [1.0, 2.0, float("nan")]), "b": (np.arange(3), np.ones(3))}, "depth", "rms", "t", logy=True)
+    fig = curves_figure({"a": ([0, 1, 2], [1.0, 2.0, float("nan")]), "b": (np.arange(3), np.ones(3))},
+                        "depth", "rms", "t", logy=True)
     arr = figure_to_array(fig)
     assert arr.dtype == np.uint8 and arr.ndim == 3 and arr.shape[0] == 3 and arr.std() > 0
-    arr2 = figure_to_array(heatmap_figure(torch.rand(4, 6), "step", "depth", "h", xticks=list(range(6)), yticks=list(range(4))))
+    arr2 = figure_to_array(heatmap_figure(torch.rand(4, 6), "step", "depth", "h",
+                                          xticks=list(range(6)), yticks=list(range(4))))
     assert arr2.shape[0] == 3 and arr2.std() > 0
     with pytest.raises(ValueError, match="two-dimensional"):
         heatmap_figure(np.zeros(3))

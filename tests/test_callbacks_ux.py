@@ -9,18 +9,16 @@ import warnings
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_resctl.callbacks import ResidualAblationCallback, ResidualControlCallback
-from lightning_resctl.surgery.patcher import ResidualPatcher
 from lightning_resctl.surgery import get_patch_report, merge_sites, patch_residuals
+from lightning_resctl.surgery.patcher import ResidualPatcher
+from test_callbacks import LitGPT, _acc, _loader, _ObserverProbe, _scalars, _trainer
 
-from test_callbacks import LitGPT, _ObserverProbe, _acc, _loader, _scalars, _trainer
 
-
-# ---------------------------------------------------------------------------------------------- one patch owner
+# ------------------------------------------------------------------------------------------ one patch owner
 def test_both_callbacks_share_one_patch_owner_whatever_the_order(tmp_path):
     abl = ResidualAblationCallback(max_batches=1)  # observing: defers to the callback that has a method
     ctrl = ResidualControlCallback(method="mgr", options={"streams": 2}, log_every_n_steps=1, depth_images=False)
@@ -43,7 +41,7 @@ def test_ablation_alone_patches_for_observation_and_removes_it(tmp_path):
     assert get_patch_report(module) is None and not merge_sites(module)
 
 
-# ---------------------------------------------------------------------------------------------- options
+# ------------------------------------------------------------------------------------------ options
 def test_options_argument_and_keywords_and_typos():
     cb = ResidualControlCallback(method="mgr", options={"streams": 3})
     assert cb.patcher.options == {"streams": 3}
@@ -58,7 +56,7 @@ def test_options_argument_and_keywords_and_typos():
         ResidualAblationCallback(method="mgr", options={"streams": 1})
 
 
-# ---------------------------------------------------------------------------------------------- the patch line
+# ------------------------------------------------------------------------------------------ the patch line
 class _Grab(logging.Handler):
     def __init__(self):
         super().__init__()
@@ -101,7 +99,7 @@ def test_observing_prints_no_patch_line(tmp_path):
     assert not [l for l in grab.lines if l.startswith("patched ")]
 
 
-# ---------------------------------------------------------------------------------------------- ablation loss
+# ------------------------------------------------------------------------------------------ ablation loss
 class LogOnly(LitGPT):
     """The idiomatic module: validation_step logs and returns nothing."""
 
@@ -188,7 +186,7 @@ def test_ablation_falls_back_to_training_step_loss(tmp_path):
     assert abl.loss_source == "training_step"
 
 
-# ---------------------------------------------------------------------------------------------- summary, alerts, few depths
+# ------------------------------------------------------------------------------------------ summary, alerts, few depths
 def test_summary_scalars_and_few_depths(tmp_path):
     cb = ResidualControlCallback(method="mgr", options={"streams": 2}, log_every_n_steps=1, depth_images=False,
                                  per_depth="all", alert_growth=None, alert_max_over_median=None)
@@ -218,7 +216,8 @@ def test_summary_scalars_and_few_depths(tmp_path):
     layout = layout_pb2.Layout()
     layout.ParseFromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
     charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
-    assert charts["stream_rms @ depth 00, 02, 03"] == [r"^resctl/stream_rms/00$", r"^resctl/stream_rms/02$", r"^resctl/stream_rms/03$"]
+    assert charts["stream_rms @ depth 00, 02, 03"] == [r"^resctl/stream_rms/00$", r"^resctl/stream_rms/02$",
+                                                       r"^resctl/stream_rms/03$"]
     assert any(t.startswith("^resctl/summary/growth_last") for c in charts.values() for t in c)
 
     chosen = ResidualControlCallback(log_every_n_steps=1, depth_images=False, per_depth=[1])
@@ -260,7 +259,7 @@ def test_about_text_names_depths_branches_and_rule_notes(tmp_path):
     assert "attn" in text and "mlp" in text and "accumulat" in text  # MGR's note on gates before depth n-1
 
 
-# ---------------------------------------------------------------------------------------------- where figures go
+# ------------------------------------------------------------------------------------------ where figures go
 def test_csv_logger_gets_png_figures(tmp_path):
     cb = ResidualControlCallback(method="mgr", options={"streams": 2}, log_every_n_steps=1)
     abl = ResidualAblationCallback(max_batches=1)
@@ -268,8 +267,8 @@ def test_csv_logger_gets_png_figures(tmp_path):
     _trainer(tmp_path, [cb, abl], logger=logger, max_epochs=1, max_steps=-1, limit_train_batches=2,
              limit_val_batches=1).fit(LitGPT(), _loader(), _loader(n=4))
     pngs = sorted(p.name for p in (tmp_path / "csv" / "version_0" / "resctl_figures").glob("*.png"))
-    for stem in ("depth_profile_rms", "depth_profile_ratio", "depth_heatmap_stream_rms", "depth_histogram_mgr_gate_hist",
-                 "ablation_loss_increase"):
+    for stem in ("depth_profile_rms", "depth_profile_ratio", "depth_heatmap_stream_rms",
+                 "depth_histogram_mgr_gate_hist", "ablation_loss_increase"):
         assert any(n.startswith(stem) for n in pngs), (stem, pngs)
     from PIL import Image
 

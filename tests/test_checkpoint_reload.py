@@ -7,8 +7,14 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_resctl import (PatchOnLoadMixin, ResidualControlCallback, get_patch_report, merge_sites,
-                              patch_from_state_dict, patch_residuals)
+from lightning_resctl import (
+    PatchOnLoadMixin,
+    ResidualControlCallback,
+    get_patch_report,
+    merge_sites,
+    patch_from_state_dict,
+    patch_residuals,
+)
 from lit_models import LitToy, toy_loader as _loader
 
 # trained with the eager torch path (no compile time in the suite); the other backends are loaded into

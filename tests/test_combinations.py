@@ -31,8 +31,9 @@ CKPT = ("none", "ckpt-first", "patch-first")
 PRECISION = ("fp32", "bf16")
 INPLACE = (False, True)
 # relative error (per logits / per parameter's gradient) against the eager, non-checkpointed patched model, keyed by
-# (precision, compiled): fp32 1e-6 (measured: 0, up to 4e-7 for attnres per block, 3e-7 with inductor); bf16 compiled: bf16's rounding
-# (2^-8), should a decomposition round its operands apart from the eager kernel (measured: 0)
+# (precision, compiled): fp32 1e-6 (measured: 0, up to 4e-7 for attnres per block, 3e-7 with inductor); bf16
+# compiled: bf16's rounding (2^-8), should a decomposition round its operands apart from the eager kernel
+# (measured: 0)
 TOL = {("fp32", False): 1e-6, ("fp32", True): 1e-6, ("bf16", False): 1e-6, ("bf16", True): 1e-2}
 
 
@@ -207,7 +208,8 @@ def test_combination_gives_the_eager_non_checkpointed_step(case):
 GRAD_MODES = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
 
-@pytest.mark.parametrize("method", ["mgr-competitive"])  # the matrix has fullgraph x in-place x checkpointing for the others
+# the matrix has fullgraph x in-place x checkpointing for the others
+@pytest.mark.parametrize("method", ["mgr-competitive"])
 def test_fullgraph_with_in_place_merges_in_every_grad_mode_with_and_without_checkpointing(method):
     """``torch.compile(model, fullgraph=True)`` of in-place merges (``y += x``): the model compiles in one graph in
     grad / no_grad / inference_mode, with and without checkpointed blocks, and gives the eager model's logits (and

@@ -120,7 +120,6 @@ def test_python_api_runs_the_same_job_and_reports_refusals_and_false_identity(st
     """The API on the same model, data and Trainer settings gives the command line's runs bit for bit; a rule the
     surgery refuses gets its line and the others run; a rule that claims identity at init but is not is flagged."""
     from compare_toy import ToyData, ToyLM
-
     from lightning_resctl.rules import MergeRule, base
 
     class Halved(MergeRule):
@@ -336,7 +335,6 @@ def test_builtin_gpt_starts_every_identity_rule_as_plain_and_the_check_catches_t
 
 def test_init_check_measures_outputs_and_gradients_and_reports_refusals(one_thread):
     from compare_toy import ToyData, ToyLM
-
     from lightning_resctl.compare.fairness import InitProbe, RefusedError, init_difference
 
     dm = ToyData()
@@ -403,10 +401,10 @@ def test_builtin_default_job_by_the_command_line(tmp_path, capfd, caplog):
 
 
 def test_rule_identity_claims_are_read_from_the_registry(monkeypatch):
+    from dataclasses import dataclass
+
     from lightning_resctl.compare.methods import claims_identity_at_init
     from lightning_resctl.rules import MergeRule, base
-
-    from dataclasses import dataclass
 
     @dataclass
     class Cfg:
@@ -420,7 +418,8 @@ def test_rule_identity_claims_are_read_from_the_registry(monkeypatch):
             return stream + update
 
     monkeypatch.setitem(base._REGISTRY, "cond", base.RuleEntry("cond", Conditional, (), ""))
-    monkeypatch.setitem(base._REGISTRY, "cond-res", base.RuleEntry("cond-res", Conditional, (("init", "residual"),), ""))
+    monkeypatch.setitem(base._REGISTRY, "cond-res",
+                        base.RuleEntry("cond-res", Conditional, (("init", "residual"),), ""))
     assert not claims_identity_at_init("cond") and claims_identity_at_init("cond", {"init": "residual"})
     assert claims_identity_at_init("cond-res")
     assert claims_identity_at_init("attnres") and claims_identity_at_init("attnres-block")
@@ -541,8 +540,9 @@ def test_summary_says_when_a_cost_ratio_is_unreliable(tmp_path):
 
     manifest = {"fingerprint": "x", "identity": {"compare": {"methods": ["plain", "a"], "first_seed": 0, "seeds": 1,
                                                               "mode": "min", "monitor": None}}}
-    rec = {"status": "done", "seed": 0, "monitor": "val_loss", "final": 1.0, "curve": [[1, 1.0]], "final_train_loss": 1.0,
-           "steps": 1, "params_added": 0, "sites": 0, "init_difference": {"output": 0.0, "grad_norm": 0.0}}
+    rec = {"status": "done", "seed": 0, "monitor": "val_loss", "final": 1.0, "curve": [[1, 1.0]],
+           "final_train_loss": 1.0, "steps": 1, "params_added": 0, "sites": 0,
+           "init_difference": {"output": 0.0, "grad_norm": 0.0}}
     cost = {"ratio": {"plain": 1.0, "a": 1.4}, "iqr": {"plain": [1, 1], "a": [0.9, 2.5]}, "range": {"plain": [1, 1],
             "a": [0.5, 4.0]}, "reliable": {"plain": True, "a": False}, "step_s": {"plain": 1, "a": 1.4}, "rounds": 10,
             "warmup_rounds": 2, "device": "cpu", "clock": "process CPU time", "max_relative_iqr": 0.1}

@@ -20,8 +20,9 @@ from surgery_checks import one_thread  # noqa: E402,F401 (module fixture)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (family, expected merges with 2 layers): decoder-only, encoder-only, encoder-decoder, vision, parallel
-# blocks (Cohere's written stream first: x + attn + mlp), the two families whose merges live in a free function (dropout_add), and two families that add
-# one attention position bias to every layer's scores (not a merge: it once was patched as one)
+# blocks (Cohere's written stream first: x + attn + mlp), the two families whose merges live in a free function
+# (dropout_add), and two families that add one attention position bias to every layer's scores (not a merge: it
+# once was patched as one)
 SAMPLE = {"gpt2": 4, "llama": 4, "bert": 4, "bart": 10, "vit": 4, "gpt_neox": 2, "gptj": 2, "cohere": 2,
           "falcon": 2, "bloom": 4, "mpnet": 4, "cpmant": 4}
 

@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
+from benchmarks.models import NanoGPT, gpt_loss
 from lightning_resctl.runtime.backends import COMPILE_ENV
 from lightning_resctl.surgery import patch_residuals
-from benchmarks.models import NanoGPT, gpt_loss
 
 RULES = ["add", "rescontroller", "mgr-competitive", "mgr-independent", "attnres", "attnres-block", "hc", "mhc",
          "mhc-lite"]

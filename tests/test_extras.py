@@ -79,7 +79,8 @@ def _imported_top_level_modules() -> dict[str, set[str]]:
     """Top-level module -> test files importing it (``import``, ``from ... import``, ``importorskip``)."""
     found: dict[str, set[str]] = {}
     # the test files, and the benchmarks' helpers the tests import (benchmarks/models.py, timm_import.py)
-    for path in [*sorted(TESTS.rglob("*.py")), ROOT / "benchmarks" / "models.py", ROOT / "benchmarks" / "timm_import.py"]:
+    shared_helpers = [ROOT / "benchmarks" / "models.py", ROOT / "benchmarks" / "timm_import.py"]
+    for path in [*sorted(TESTS.rglob("*.py")), *shared_helpers]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = []
             if isinstance(node, ast.Import):
@@ -105,7 +106,8 @@ def test_every_imported_package_is_installed_by_the_test_command():
     assert "test" in extras, "the README's test command installs the project without its test extra"
     provided = _installed_closure([*requirements, Requirement(f"{PROJECT}[{','.join(sorted(extras))}]")]) | alone
     module_to_dists = metadata.packages_distributions()
-    # the repository's own: the package, the test modules, and benchmarks (the sweeps and the helpers the tests share with them)
+    # the repository's own: the package, the test modules, and benchmarks (the sweeps and the helpers the tests
+    # share with them)
     local = ({p.stem for p in TESTS.glob("*.py")} | {"lightning_resctl", "tests", "benchmarks", "__future__"}
              | _written_by_the_tests())
 

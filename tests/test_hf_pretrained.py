@@ -18,7 +18,6 @@ from transformers import (  # noqa: E402
 )
 
 import lightning_resctl  # noqa: E402
-from lightning_resctl.surgery.checkpoint import load_tied_state_dict  # noqa: E402
 from lightning_resctl import (  # noqa: E402
     get_patch_report,
     load_unpatched_state_dict,
@@ -28,6 +27,7 @@ from lightning_resctl import (  # noqa: E402
     patch_residuals,
     unpatch_residuals,
 )
+from lightning_resctl.surgery.checkpoint import load_tied_state_dict  # noqa: E402
 
 IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
 

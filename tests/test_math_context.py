@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad
 
-from lightning_resctl.runtime.autograd import fp32_bmm
 from lightning_resctl.rules.frame import frame_write
+from lightning_resctl.runtime.autograd import fp32_bmm
 
 
 def _inputs(dtype=torch.float32):

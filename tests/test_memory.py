@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_resctl.runtime.memory import saved_tensor_bytes
 from lightning_resctl.rules.mgr import MGRChain
+from lightning_resctl.runtime.memory import saved_tensor_bytes
 
 
 def test_counts_each_storage_once_and_returns_the_result():

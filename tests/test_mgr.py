@@ -7,9 +7,17 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_resctl.rules.mgr import (
+    MGRChain,
+    MGRMerge,
+    MGRPool,
+    attn_pool_reference,
+    mgr_bias_init,
+    mgr_gates_reference,
+    mgr_merge_reference,
+    mgr_step_reference,
+)
 from lightning_resctl.runtime.memory import saved_tensor_bytes
-from lightning_resctl.rules.mgr import (MGRChain, MGRMerge, MGRPool, attn_pool_reference, mgr_bias_init,
-                                        mgr_gates_reference, mgr_merge_reference, mgr_step_reference)
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 GATINGS = ("competitive", "independent")
@@ -502,8 +510,8 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_backend_names_shared_with_rescontroller():
-    from lightning_resctl.runtime import backends
     from lightning_resctl.rules.rescontroller import ResController
+    from lightning_resctl.runtime import backends
 
     for name in ("auto", "torch", "triton", "native"):
         chain = MGRChain(8, 4, streams=2, backend=name)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_resctl.runtime.triton import load_kernels
 from lightning_resctl.rules.mgr import MGRChain, mgr_step_reference
+from lightning_resctl.runtime.triton import load_kernels
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 KINDS = ("competitive", "independent", "accumulating")

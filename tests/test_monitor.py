@@ -14,7 +14,6 @@ from torch.utils.tensorboard import SummaryWriter
 
 from lightning_resctl import ResidualControlCallback, ResidualMonitor, ablate
 from lightning_resctl.surgery import get_patch_report, merge_sites, patch_residuals
-
 from models import NanoGPT
 from test_callbacks import CFG, LitGPT, _acc, _loader, _reference_stats, _scalars, _trainer
 from test_callbacks_ux import _Grab, _manual_increase

@@ -28,8 +28,10 @@ def test_every_quick_test_exists():
 
 def test_quick_leaves_out_the_triton_interpreter_and_unlisted_tests():
     assert is_quick("test_rescontroller.py", "test_fp32_matches_reference", "test_fp32_matches_reference[shape0-torch]")
-    assert not is_quick("test_rescontroller.py", "test_fp32_matches_reference", "test_fp32_matches_reference[shape0-triton]")
-    assert not is_quick("test_rescontroller.py", "test_gpt_saved_bytes_and_gradients", "test_gpt_saved_bytes_and_gradients")
+    assert not is_quick("test_rescontroller.py", "test_fp32_matches_reference",
+                        "test_fp32_matches_reference[shape0-triton]")
+    assert not is_quick("test_rescontroller.py", "test_gpt_saved_bytes_and_gradients",
+                        "test_gpt_saved_bytes_and_gradients")
     assert is_quick("test_rule_attnres.py", "test_anything", "test_anything") and not is_quick("test_mgr.py", "t", "t")
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import importlib
 import os
 import re
-from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
 import shlex
 import subprocess
 import sys
+from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-CI_LINE = 'pip install torch==2.13.0 -e ".[test]" && pip install --no-deps litgpt==0.5.13 timm==1.0.31 && python -m pytest -q tests'
+CI_LINE = 'pip install torch==2.13.0 -e ".[test]" && pip install --no-deps litgpt==0.5.13 timm==1.0.31 && python -m ruff check . && python -m pytest -q tests'  # noqa: E501  (the README's line, exactly)
 #: the README is the front page; the rest lives in docs/ (PEFT's README is 191 lines, torchao's 319, Liger's 539)
 MAX_README_LINES = 400
 
@@ -242,7 +242,8 @@ def test_readme_is_a_front_page():
     """At most MAX_README_LINES lines, and every docs/ page is reachable from it (directly or through the docs
     index), so that nothing moved out of the README is lost."""
     lines = len(_text(README).splitlines())
-    assert lines <= MAX_README_LINES, f"README.md has {lines} lines; move sections to docs/ (at most {MAX_README_LINES})"
+    assert lines <= MAX_README_LINES, \
+        f"README.md has {lines} lines; move sections to docs/ (at most {MAX_README_LINES})"
     reached = set()
     for page in (README, DOCS / "README.md"):
         for target in _links(page):
@@ -376,8 +377,10 @@ def test_quoted_figures_are_in_the_results_files_they_come_from(page):
 def test_the_pages_that_quote_results_say_where_from():
     """The front page's tables, the paper-set results, the peers' and the scaling benchmarks are marked (a marker
     dropped in an edit would let their figures drift from the results files)."""
-    marked = {(_name(p), src.strip()) for p in PAGES for srcs, _ in FIGURES.findall(_text(p)) for src in srcs.split(",")}
-    for page, source in [("README.md", "docs/results/paper/summary.md"), ("README.md", "docs/results/bench_peers_cpu.txt"),
+    marked = {(_name(p), src.strip())
+              for p in PAGES for srcs, _ in FIGURES.findall(_text(p)) for src in srcs.split(",")}
+    for page, source in [("README.md", "docs/results/paper/summary.md"),
+                         ("README.md", "docs/results/bench_peers_cpu.txt"),
                          ("docs/compare.md", "docs/results/paper/summary.md"),
                          ("docs/benchmarks.md", "docs/results/bench_peers_cpu.txt"),
                          ("docs/benchmarks.md", "docs/results/bench_scaling_cpu.md"),
@@ -408,12 +411,13 @@ def test_the_readme_links_and_cites_each_rules_paper_and_citation_cff_lists_the_
     cff = yaml.safe_load((ROOT / "CITATION.cff").read_text(encoding="utf-8"))
     assert cff["version"] == lightning_resctl.__version__ and cff["license"] == "Apache-2.0"
     assert {ref["doi"].removeprefix("10.48550/arXiv.") for ref in cff["references"]} == PAPERS
-    assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0, January 2004" in (ROOT / "LICENSE").read_text()
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
 
 
 def test_the_tested_versions_are_quoted_as_written_once():
-    """docs/install.md names the versions of lightning_resctl/__main__.py (TESTED_WITH); the README's test command pins that
-    torch; the changelog's policy and the package version agree with pyproject."""
+    """docs/install.md names the versions of lightning_resctl/__main__.py (TESTED_WITH); the README's test command
+    pins that torch; the changelog's policy and the package version agree with pyproject."""
     import tomllib
 
     from lightning_resctl.__main__ import TESTED_WITH

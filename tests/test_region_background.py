@@ -224,7 +224,8 @@ def fresh_rule_regions(monkeypatch):
     (then new signatures run eagerly by design). Give this test empty ones."""
     import importlib
 
-    for module, name in (("lightning_resctl.rules.rescontroller.ops", "_math_fns"), ("lightning_resctl.rules.mgr.ops", "_torch_fns")):
+    for module, name in (("lightning_resctl.rules.rescontroller.ops", "_math_fns"),
+                         ("lightning_resctl.rules.mgr.ops", "_torch_fns")):
         math = getattr(importlib.import_module(module), name)
         monkeypatch.setattr(math, "regions", None)
 
@@ -234,9 +235,9 @@ def fresh_rule_regions(monkeypatch):
 def test_after_the_wait_the_default_backend_runs_every_merge_compiled(method, fresh_rule_regions):
     """The default backend's steady state is the compiled one: once ``wait_for_compiles()`` returned, training
     steps call no region eagerly, and the regions hold the graphs ``backend="torch-compiled"`` compiles."""
+    from benchmarks.models import NanoGPT, gpt_loss
     from lightning_resctl import patch_residuals
     from lightning_resctl.runtime.regions import region_calls
-    from benchmarks.models import NanoGPT, gpt_loss
 
     def steps(model, n):
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -72,8 +72,8 @@ def test_a_failure_inside_the_trace_leaves_the_process_clean():
 
 
 def _patched_gpt(method):
-    from lightning_resctl.surgery import patch_residuals
     from benchmarks.models import NanoGPT
+    from lightning_resctl.surgery import patch_residuals
 
     model = NanoGPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
     patch_residuals(model, method=method)  # default backend: the compiled regions on CPU

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_resctl.runtime.backends import COMPILE_ENV
-from lightning_resctl.surgery import patch_residuals
 from benchmarks.compiled_graph import GraphCapture, opaque_calls
 from benchmarks.models import NanoGPT, gpt_loss
+from lightning_resctl.runtime.backends import COMPILE_ENV
+from lightning_resctl.surgery import patch_residuals
 
 RULES = ["add", "rescontroller", "mgr-competitive", "mgr-independent", "attnres", "attnres-block", "hc", "mhc",
          "mhc-lite"]

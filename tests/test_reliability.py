@@ -79,7 +79,7 @@ def _run(model, x):
     return out
 
 
-# ---------------------------------------------------------------------------------------------- 10.1: state leaks
+# ------------------------------------------------------------------------------------------ 10.1: state leaks
 @pytest.mark.parametrize("method", ALL)
 def test_fewer_merges_than_observed_never_continues_a_previous_forward(method):
     torch.manual_seed(0)
@@ -133,7 +133,7 @@ def test_more_merges_than_observed(method):
     assert torch.equal(model(x), ref)
 
 
-# ---------------------------------------------------------------------------------------------- 10.2: mode-dependent merges
+# ------------------------------------------------------------------------------------------ 10.2: mode-dependent merges
 @pytest.mark.parametrize("where", [1, 3])
 @pytest.mark.parametrize("method", CHAIN)
 def test_training_only_merge_eval_is_deterministic_and_completes(method, where):
@@ -173,7 +173,7 @@ def test_mgr_skipped_merge_leaves_streams_and_output_pool_applies(method, where)
     assert not torch.allclose(model(x), ref)
 
 
-# ---------------------------------------------------------------------------------------------- 10.4: observation is pure
+# ------------------------------------------------------------------------------------------ 10.4: observation is pure
 class BNNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -218,7 +218,7 @@ def test_add_patch_keeps_eval_outputs_bitwise():
     assert torch.equal(model.eval()(x), ref)
 
 
-# ---------------------------------------------------------------------------------------------- 10.3: checkpoints
+# ------------------------------------------------------------------------------------------ 10.3: checkpoints
 @pytest.mark.parametrize("method", ALL)
 def test_patched_checkpoint_never_loads_silently_into_unpatched_model(method):
     torch.manual_seed(0)
@@ -287,7 +287,7 @@ def test_backend_is_recorded_but_does_not_block_a_load(method):
     assert records and {r["options"]["backend"] for r in records} == {"reference"}
 
 
-# ---------------------------------------------------------------------------------------------- 10.5: reset_parameters
+# ------------------------------------------------------------------------------------------ 10.5: reset_parameters
 @pytest.mark.parametrize("method", CHAIN)
 def test_reset_parameters_gives_exactly_the_init(method):
     torch.manual_seed(0)
@@ -307,7 +307,7 @@ def test_reset_parameters_gives_exactly_the_init(method):
         assert torch.equal(model.get_parameter(k), init[k]), k
 
 
-# ---------------------------------------------------------------------------------------------- 10.7: checkpointing
+# ------------------------------------------------------------------------------------------ 10.7: checkpointing
 class CkptNet(nn.Module):
     def __init__(self, reentrant: bool):
         super().__init__()
@@ -361,7 +361,7 @@ class PlainNet(CkptNet):
         return x
 
 
-# ---------------------------------------------------------------------------------------------- habits
+# ------------------------------------------------------------------------------------------ habits
 @pytest.mark.parametrize("method", ALL)
 def test_no_grad_inference_mode_and_deepcopy_agree(method):
     torch.manual_seed(0)
@@ -431,7 +431,7 @@ def test_a_bias_reused_by_every_layer_is_not_a_merge():
     assert any("reused across layers" in s.reason for s in skipped)
 
 
-# ---------------------------------------------------------------------------------------------- in-place merges
+# ------------------------------------------------------------------------------------------ in-place merges
 class InPlaceUpdateNet(nn.Module):
     """``u = blk(x); seen.append(u); u += x``: the merge writes into the update, which another name holds.
     ``in_place=False``: the same network spelled out of place (``x = x + u; seen.append(x)``)."""

@@ -13,10 +13,15 @@ import pytest
 import torch
 
 import lightning_resctl
-from lightning_resctl.runtime.memory import saved_tensor_bytes
-from lightning_resctl.rules.rescontroller import (ControllerScales, ResController, rescontroller,
-                                                  rescontroller_reference, rescontroller_scales)
 from benchmarks.models import wire_merges
+from lightning_resctl.rules.rescontroller import (
+    ControllerScales,
+    ResController,
+    rescontroller,
+    rescontroller_reference,
+    rescontroller_scales,
+)
+from lightning_resctl.runtime.memory import saved_tensor_bytes
 from models import NanoGPT
 
 BACKENDS = ["torch", "triton"]

@@ -8,14 +8,19 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_resctl.runtime.memory import saved_tensor_bytes
 from lightning_resctl.rules import make_rule
-from lightning_resctl.rules.attnres import (attnres_chain_reference, attnres_pool_reference,
-                                            attnres_sources_reference, default_block_size, num_sources)
+from lightning_resctl.rules.attnres import (
+    attnres_chain_reference,
+    attnres_pool_reference,
+    attnres_sources_reference,
+    default_block_size,
+    num_sources,
+)
+from lightning_resctl.runtime.memory import saved_tensor_bytes
 from lightning_resctl.surgery import patch_residuals
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
-from test_rule_common import assert_runtime_matches_oracle
 from models import NanoGPT
+from test_rule_common import assert_runtime_matches_oracle
 
 D = torch.float64
 

@@ -11,12 +11,18 @@ from torch import nn
 
 from lightning_resctl.rules import make_rule
 from lightning_resctl.rules.frame import frame_chain_reference, frame_read, frame_step_reference, frame_write
-from lightning_resctl.rules.hc import (HCLayer, MHCLayer, hc_coefficients_reference, mhc_coefficients_reference,
-                                       sinkhorn, sinkhorn_dsv4)
+from lightning_resctl.rules.hc import (
+    HCLayer,
+    MHCLayer,
+    hc_coefficients_reference,
+    mhc_coefficients_reference,
+    sinkhorn,
+    sinkhorn_dsv4,
+)
 from lightning_resctl.surgery import merge_sites, patch_residuals
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
-from test_rule_common import assert_runtime_matches_oracle
 from models import NanoGPT
+from test_rule_common import assert_runtime_matches_oracle
 
 D = torch.float64
 

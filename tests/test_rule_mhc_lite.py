@@ -13,8 +13,8 @@ from lightning_resctl.rules.frame import frame_chain_reference, frame_write
 from lightning_resctl.rules.mhc_lite import MHCLiteLayer, mhc_lite_coefficients_reference, permutation_matrices
 from lightning_resctl.surgery import patch_residuals
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
-from test_rule_common import assert_runtime_matches_oracle
 from models import NanoGPT
+from test_rule_common import assert_runtime_matches_oracle
 
 D = torch.float64
 

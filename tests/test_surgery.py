@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import functools
+import inspect
 import json
 
 import pytest
@@ -69,8 +69,8 @@ def test_branching_model_every_spelling_and_no_false_merges():
     model = BranchyNet(dim=16, depth=6)
     report = patch_residuals(model, method="add")
     lines = [s.source_line for s in report.sites]
-    assert lines == ["x = x + layer(x)", "x = layer(x) + x", "x = torch.add(x, layer(x))", "h += x  # in place, on the update",
-                     "x = x + layer(x)", "x = layer(x) + x"]
+    assert lines == ["x = x + layer(x)", "x = layer(x) + x", "x = torch.add(x, layer(x))",
+                     "h += x  # in place, on the update", "x = x + layer(x)", "x = layer(x) + x"]
     assert [s.stream_operand for s in report.sites[:4]] == ["left", "right", "left", "right"]
     assert [s.position for s in report.sites] == list(range(6))
     # one expression in a Python loop runs two merges: one MergeSite, two positions

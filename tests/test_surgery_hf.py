@@ -19,10 +19,9 @@ from transformers import (  # noqa: E402
 )
 from transformers.models.resnet.modeling_resnet import ResNetBasicLayer  # noqa: E402
 
-from lightning_resctl.surgery import get_patch_report, merge_sites, patch_residuals, unpatch_residuals  # noqa: E402
-
 from lightning_resctl import merge_rules  # noqa: E402
 from lightning_resctl.rules import get_merge_rule  # noqa: E402
+from lightning_resctl.surgery import get_patch_report, merge_sites, patch_residuals, unpatch_residuals  # noqa: E402
 
 # every registered rule (name variants that only preset options, e.g. mgr-competitive, are covered by their base)
 METHODS = [m for m in merge_rules() if not get_merge_rule(m).preset]

@@ -126,8 +126,8 @@ def test_parallel_block_is_one_merge_of_the_branches_sum(block):
 
 
 @pytest.mark.parametrize("method", RULES)
-@pytest.mark.parametrize("pair", [(Par, ParOne), (ParInPlace, ParOne), (ParInPlaceAlias, ParOne), (ParStreamFirst, ParOne),
-                                  (ParThree, ParThreeOne)],
+@pytest.mark.parametrize("pair", [(Par, ParOne), (ParInPlace, ParOne), (ParInPlaceAlias, ParOne),
+                                  (ParStreamFirst, ParOne), (ParThree, ParThreeOne)],
                          ids=lambda pair: pair[0].__name__)
 def test_parallel_block_is_the_network_of_the_one_expression_form(pair, method):
     """The faithful reading: each rule sees the block's input as the stream and the branches' sum as the

@@ -2,7 +2,6 @@
 patched model whose source file was edited, argument checks of unpatch_residuals, and branch labels."""
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys

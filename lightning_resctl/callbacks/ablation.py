@@ -7,10 +7,9 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
-from torch import nn
-
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 
 from ..diagnostics.ablation import ablate
 from ..surgery.patcher import ResidualPatcher, merge_options
@@ -22,10 +21,10 @@ class ResidualAblationCallback(Callback):
     """At validation end every ``every_n_epochs`` epochs, skip each merge's update in turn
     (``MergeSite.skip_update = True``: output = stream) and measure the validation loss.
 
-    ``loss_increase[d] = L(skip merge d) - L(no skip)`` (d: merge index ordered by chain, then position), each loss the mean over the first
-    ``max_batches`` batches of the (first) validation dataloader, averaged over ranks. Logged as
-    ``f"{prefix}/ablation_loss_increase/{d:02d}"`` (plus ``{prefix}/ablation_base_loss``) and, for
-    TensorBoard, an image of the increase vs depth (a PNG file for loggers that cannot take images).
+    ``loss_increase[d] = L(skip merge d) - L(no skip)`` (d: merge index ordered by chain, then position), each
+    loss the mean over the first ``max_batches`` batches of the (first) validation dataloader, averaged over
+    ranks. Logged as ``f"{prefix}/ablation_loss_increase/{d:02d}"`` (plus ``{prefix}/ablation_base_loss``) and,
+    for TensorBoard, an image of the increase vs depth (a PNG file for loggers that cannot take images).
 
     The loss of a batch, found once at the start of training on the first validation batch (so a module the
     ablation cannot read fails there, not after an epoch); :attr:`loss_source` says which was used:

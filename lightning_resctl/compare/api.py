@@ -1,4 +1,5 @@
-"""The Python entry points: :func:`compare` and :func:`summarize` (imported cheaply; Lightning is loaded when called)."""
+"""The Python entry points: :func:`compare` and :func:`summarize` (imported cheaply; Lightning is loaded when
+called)."""
 from __future__ import annotations
 
 import copy

@@ -13,8 +13,8 @@ one step of every method (the order rotated each round) on the same batch.
 * **Ratio**: a method's cost is the median over rounds of ``its step time / plain's step time in the same
   round``; load that changes slower than one round cancels out.
 * **Spread**: the per-round ratios' interquartile range (and min-max). When the IQR exceeds
-  :data:`MAX_RELATIVE_IQR` of the median, or fewer than 3 rounds were timed, the ratio is *unreliable* — the summary says so instead of printing a
-  bare number (a busy machine, or steps too short for the clock).
+  :data:`MAX_RELATIVE_IQR` of the median, or fewer than 3 rounds were timed, the ratio is *unreliable* — the
+  summary says so instead of printing a bare number (a busy machine, or steps too short for the clock).
 
 A step is the model's ``training_step`` (the loss it returns), ``backward``, the Trainer's gradient clipping and
 the optimizer step, without Lightning's loop and without the diagnostics callbacks. On CPU a step is timed by
@@ -54,7 +54,8 @@ def resolve_device(accelerator: Any) -> torch.device:
 
 
 def autocast_for(device: torch.device, precision: Any) -> Callable[[], Any]:
-    """A context-manager factory: the autocast of a Trainer ``precision`` (``"bf16-mixed"``, ``"16-mixed"``), or none."""
+    """A context-manager factory: the autocast of a Trainer ``precision`` (``"bf16-mixed"``, ``"16-mixed"``), or
+    none."""
     p = str(precision)
     if "mixed" in p and p.startswith("bf16"):
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)

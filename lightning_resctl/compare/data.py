@@ -67,7 +67,8 @@ class CharCorpus:
         return cls(encode(train_text), encode(val_text), source, **files)
 
     def describe(self) -> str:
-        """E.g. ``"Python 3.11.7 standard library, 152 + 16 files: 2,000,000 train bytes, 250,000 validation bytes"``."""
+        """E.g. ``"Python 3.11.7 standard library, 152 + 16 files: 2,000,000 train bytes, 250,000 validation
+        bytes"``."""
         return f"{self.source}: {len(self.train):,} train bytes, {len(self.val):,} validation bytes"
 
 
@@ -250,7 +251,8 @@ class CharDataModule(L.LightningDataModule):
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
         if text is not None and hf_dataset is not None:
-            raise ValueError(f"give at most one of text and hf_dataset, got text={text!r} and hf_dataset={hf_dataset!r}")
+            raise ValueError(f"give at most one of text and hf_dataset, got text={text!r} and "
+                             f"hf_dataset={hf_dataset!r}")
         self.save_hyperparameters()
         self.corpus: CharCorpus | None = None
 

@@ -38,7 +38,8 @@ HELP = {
     "cost_warmup": "untimed rounds before them (at least one per batch shape the timed rounds use)",
     "ablation": "run ResidualAblationCallback at the last validation (loss increase per skipped merge)",
     "ablation_batches": "validation batches per ablated merge",
-    "diagnostics_every_n_steps": "logging interval of ResidualControlCallback (default: the Trainer's log_every_n_steps)",
+    "diagnostics_every_n_steps":
+        "logging interval of ResidualControlCallback (default: the Trainer's log_every_n_steps)",
     "depth_images": "TensorBoard depth-profile images at every validation",
     "threads": "torch.set_num_threads for the job (CPU; default: torch's)",
     "progress_bar": "one progress line for the whole job (run, method, seed, step, ETA)",

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import numpy as np
-
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg", force=False)
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402

@@ -167,7 +167,8 @@ def merge_folders(folders: Sequence[str | Path]) -> tuple[dict[str, Any], list[d
         other, more, more_cost = load_job(folder)
         if other["fingerprint"] != manifest["fingerprint"]:
             diff = _differences(manifest["identity"], other["identity"])
-            raise JobMismatchError(f"{folders[0]} and {folder} hold different jobs; what differs: {'; '.join(diff[:8])}")
+            raise JobMismatchError(f"{folders[0]} and {folder} hold different jobs; "
+                                   f"what differs: {'; '.join(diff[:8])}")
         for r in more:
             key = (r["method"], r["seed"])
             if key in by_key and by_key[key].get("final") != r.get("final"):

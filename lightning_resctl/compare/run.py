@@ -14,8 +14,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from .methods import PLAIN
 from .options import CompareOptions
 from .preemption import SigtermCheckpoint
-from .records import JobFolder
 from .recorder import RunRecorder
+from .records import JobFolder
 
 __all__ = ["train_run", "JOB_TRAINER_KEYS"]
 

@@ -147,7 +147,8 @@ def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]]
     ident = manifest["identity"]
     job = ident["compare"]
     about = manifest.get("about", {})
-    methods, seeds, mode = list(job["methods"]), list(range(job["first_seed"], job["first_seed"] + job["seeds"])), job["mode"]
+    methods, mode = list(job["methods"]), job["mode"]
+    seeds = list(range(job["first_seed"], job["first_seed"] + job["seeds"]))
     done = [r for r in records if r.get("status") == "done"]
     monitor = next((r["monitor"] for r in done if r.get("monitor")), job.get("monitor") or "validation metric")
     runs_by_method = {m: sorted((r for r in done if r["method"] == m), key=lambda r: r["seed"]) for m in methods}
@@ -156,7 +157,6 @@ def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]]
     missing = [(m, s) for s in seeds for m in methods
                if not any(r["method"] == m and r["seed"] == s for r in records)]
     plain_by_seed = {r["seed"]: r["final"] for r in runs_by_method.get(PLAIN, [])}
-    plain_stats = describe(plain_by_seed.values())
 
     per: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []

@@ -90,7 +90,8 @@ class StreamStats(DepthMetric):
             a = s.abs()
             self.max_abs[d] = torch.maximum(self.max_abs[d], a.max().to(STATS_DTYPE))
             lg = torch.log2(a.clamp_(min=2.0**-126)).clamp_(*ABS_LOG2_RANGE)
-            self.abs_hist[d] += torch.histc(lg, bins=_ABS_BINS, min=ABS_LOG2_RANGE[0], max=ABS_LOG2_RANGE[1]).to(STATS_DTYPE)
+            hist = torch.histc(lg, bins=_ABS_BINS, min=ABS_LOG2_RANGE[0], max=ABS_LOG2_RANGE[1])
+            self.abs_hist[d] += hist.to(STATS_DTYPE)
         if update is not None:
             u = as_float(update)
             self.update_sumsq[d] += u.square().sum(dtype=STATS_DTYPE)

@@ -13,9 +13,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .metrics import GradStats, StreamStats
 from . import depths as D_
 from .branch_params import BranchParameters
+from .metrics import GradStats, StreamStats
 from .sinks import PNGSink, Sink, sinks_for
 
 __all__ = ["ResidualMonitor", "Record"]

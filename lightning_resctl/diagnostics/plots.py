@@ -10,13 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import matplotlib
 import numpy as np
 
-import matplotlib
-
 matplotlib.use("Agg", force=False)
-from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 __all__ = ["curves_figure", "heatmap_figure", "figure_to_array", "HEATMAP_RANGES", "KIND_MARKERS"]
 
