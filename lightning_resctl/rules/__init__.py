@@ -5,6 +5,8 @@ itself when its package is imported; the order of the imports below is the order
 pieces: :mod:`.checks` (option checks), :mod:`.common` (RMS norm, compute dtype, backend names, kernel loading),
 :mod:`.stats` (the depth-metric base), :mod:`.frame` (the HC family's frame).
 """
+from .add import AddRule
+from .attnres import AttnResRule, BlockAttnResRule
 from .base import (
     ChainRule,
     MergeRule,
@@ -15,12 +17,10 @@ from .base import (
     merge_rules,
     register_merge_rule,
 )
-from .add import AddRule
-from .rescontroller import ResControllerRule
-from .mgr import MGRRule
-from .attnres import AttnResRule, BlockAttnResRule
 from .hc import HCRule, MHCRule
+from .mgr import MGRRule
 from .mhc_lite import MHCLiteRule
+from .rescontroller import ResControllerRule
 
 __all__ = ["MergeRule", "ChainRule", "NoOptions", "RuleEntry", "register_merge_rule", "merge_rules",
            "get_merge_rule", "make_rule", "AddRule", "ResControllerRule", "MGRRule", "AttnResRule",

@@ -2,8 +2,8 @@
 
 A *rule* is one class (plus its config dataclass, its modules and, if any, its kernels) registered
 under one or more names; a built-in rule lives in one folder, ``rules/<name>/`` (``config.py``, ``reference.py``,
-``ops.py``, ``modules.py``, ``stats.py``, ``rule.py``: the rule class, which registers itself on import). Everything else — the surgery, the callbacks, the compare job — asks the
-rule; nothing else branches on rule names.
+``ops.py``, ``modules.py``, ``stats.py``, ``rule.py``: the rule class, which registers itself on import).
+Everything else — the surgery, the callbacks, the compare job — asks the rule; nothing else branches on rule names.
 
 Two kinds of rules:
 
@@ -82,7 +82,8 @@ class MergeRule:
     description: ClassVar[str] = ""
     kind: ClassVar[str] = "merge"
     #: Whether the rule's docs call it identity (the unpatched model) at init: True, False, or the options under
-    #: which it is, e.g. ``{"init": "residual"}``; the compare job flags a rule that claims it but starts away from plain.
+    #: which it is, e.g. ``{"init": "residual"}``; the compare job flags a rule that claims it but starts away
+    #: from plain.
     identity_at_init: ClassVar[bool | dict] = False
     #: False when the rule cannot run inside activation checkpointing (a recomputed block would replay its merges).
     supports_checkpointing: ClassVar[bool] = True
@@ -181,8 +182,8 @@ class MergeRule:
         (:func:`~lightning_resctl.surgery.patch_from_state_dict`) uses the result and warns about each change.
         The default: a ``backend`` that needs Triton (``"triton"``, ``"native"``) where Triton cannot run becomes
         ``"auto"``; a rule whose execution options need other checks overrides this."""
-        from ..runtime.triton import triton_available
         from ..runtime.backends import ALIASES
+        from ..runtime.triton import triton_available
 
         backend = options.get("backend")
         if ("backend" in self.execution_options and isinstance(backend, str)

@@ -29,7 +29,8 @@ from .checks import check_choice, check_eps, check_int
 from .common import compute_dtype
 
 __all__ = ["FrameState", "FrameChain", "FrameRule", "frame_read", "frame_write", "frame_reduce",
-           "frame_step_reference", "frame_chain_reference", "gated_pre_post", "pm_one", "check_frame_options", "REDUCES"]
+           "frame_step_reference", "frame_chain_reference", "gated_pre_post", "pm_one", "check_frame_options",
+           "REDUCES"]
 
 REDUCES = ("sum", "mean")
 

@@ -21,8 +21,15 @@ from torch.utils._pytree import treespec_loads
 
 from .backends import COMPILE_ENV, cpu_compile_available
 from .log import rank_zero_line
-from .tracer import (COMPILE_LOCK, COMPILED_DEVICES, ambient, flatten_signature, guard_from_text, trace_region,
-                     unflatten_output)
+from .tracer import (
+    COMPILE_LOCK,
+    COMPILED_DEVICES,
+    ambient,
+    flatten_signature,
+    guard_from_text,
+    trace_region,
+    unflatten_output,
+)
 
 __all__ = ["CompiledMath", "CompiledRegion", "wait_for_compiles", "region_calls"]
 

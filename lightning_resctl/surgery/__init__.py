@@ -28,18 +28,23 @@ Where to patch in Lightning: before ``configure_optimizers``, DDP/FSDP wrapping 
 Checkpoints (:mod:`.checkpoint`): a patched model's ``state_dict`` loads into a freshly patched twin as usual;
 :func:`patch_from_state_dict` patches a fresh model as the checkpoint's site records say, then loads it, and
 :class:`PatchOnLoadMixin` makes ``MyModule.load_from_checkpoint(path)`` do that; a transformers
-``save_pretrained`` folder of a patched model loads with :func:`from_pretrained` (:mod:`.pretrained`). An unpatched checkpoint loads
-into a patched model with :func:`load_unpatched_state_dict` (the sites' records and MGR's new parameters are
-the only keys allowed to be missing; it returns their names).
+``save_pretrained`` folder of a patched model loads with :func:`from_pretrained` (:mod:`.pretrained`). An unpatched
+checkpoint loads into a patched model with :func:`load_unpatched_state_dict` (the sites' records and MGR's new
+parameters are the only keys allowed to be missing; it returns their names).
 
 Limits: only additions that ran in the observed forward are patched (Python branches not taken are not
 seen); chain rules support non-reentrant activation checkpointing (a recomputed block replays its merges
 from the chain state recorded at its entry) and refuse the reentrant variant at the first training forward;
 patch before wrapping (DDP/FSDP/``torch.compile``) and unpatch before ``fully_shard``.
 """
-from .checkpoint import (PatchOnLoadMixin, adapt_optimizer_state, load_unpatched_state_dict, patch_from_checkpoint,
-                         patch_from_state_dict)
 from .api import get_patch_report, merge_sites, patch_residuals, unpatch_residuals
+from .checkpoint import (
+                         PatchOnLoadMixin,
+                         adapt_optimizer_state,
+                         load_unpatched_state_dict,
+                         patch_from_checkpoint,
+                         patch_from_state_dict,
+)
 from .pretrained import from_pretrained
 from .report import ChainInfo, PatchReport, SiteInfo, SkippedInfo
 from .sites import MergeSite

@@ -22,13 +22,13 @@ from typing import NamedTuple, Optional
 
 from torch import nn
 
+from .chain_run import ChainEnd, ChainRun, ChainStart
 from .events import Observation, parallel_block, site_key, source_line
+from .parallel import ParallelPart, ParallelRun
 from .plan import CONTAINERS, Plan, branch_kind, chain_dim
 from .report import ChainInfo, PatchReport
-from .tally import hook_tallies, site_tallies
-from .chain_run import ChainEnd, ChainRun, ChainStart
-from .parallel import ParallelPart, ParallelRun
 from .sites import MergeSite, SitePlace, mark_rule_module
+from .tally import hook_tallies, site_tallies
 
 __all__ = ["bind", "Binding", "BoundMerge", "PatchState"]
 

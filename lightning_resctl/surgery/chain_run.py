@@ -289,9 +289,10 @@ def _traced_in_higher_order_op() -> bool:
 
 
 def counting() -> bool:
-    """Whether a module's merge tally (:mod:`.tally`) is kept in this call: always, except in a checkpointed region traced into a compiled
-    model (a higher-order op's body), where a side effect would make dynamo give up the whole frame (run it
-    eagerly); the module's hooks and its merges are then traced in the same body, so none of them counts."""
+    """Whether a module's merge tally (:mod:`.tally`) is kept in this call: always, except in a checkpointed region
+    traced into a compiled model (a higher-order op's body), where a side effect would make dynamo give up the whole
+    frame (run it eagerly); the module's hooks and its merges are then traced in the same body, so none of them
+    counts."""
     return not torch.compiler.is_compiling() or not _traced_in_higher_order_op()
 
 

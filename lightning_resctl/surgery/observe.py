@@ -365,7 +365,8 @@ class preserved:
                 plain[k] = (v, copy.copy(v) if isinstance(v, (list, dict, set)) else None)
             self.attrs.append((m, plain))
         self.rng = torch.random.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        cuda_live = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if cuda_live else None
         return self
 
     def __exit__(self, *exc):

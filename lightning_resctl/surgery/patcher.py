@@ -10,8 +10,8 @@ from typing import Any
 
 from torch import nn
 
-from ..runtime.log import rank_zero_line
 from ..rules import get_merge_rule, make_rule
+from ..runtime.log import rank_zero_line
 from .api import get_patch_report, merge_sites, patch_residuals, unpatch_residuals
 from .tensor_parallel import refuse_tensor_parallel
 
@@ -67,9 +67,9 @@ def ensure_patched(
 
     Returns True when this call patched the module (a module holding merge sites already, itself or in a
     submodule, is left as is). ``example_from``: a module whose ``example_input_array`` serves as the
-    example input when neither ``example_input`` nor ``module.example_input_array`` is set. A module patched already with another method
-    raises ValueError; MGR on an already sharded (FSDP2/DTensor) module raises RuntimeError, since its
-    new parameters would not be sharded (patch inside ``configure_model`` before ``fully_shard``,
+    example input when neither ``example_input`` nor ``module.example_input_array`` is set. A module patched already
+    with another method raises ValueError; MGR on an already sharded (FSDP2/DTensor) module raises RuntimeError,
+    since its new parameters would not be sharded (patch inside ``configure_model`` before ``fully_shard``,
     see :func:`lightning_resctl.callbacks.patch_in_configure_model`).
     """
     sites = merge_sites(module)  # also finds a patch applied to a submodule (e.g. self.model)

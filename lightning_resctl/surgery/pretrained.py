@@ -54,8 +54,13 @@ def _with_variant(name: str, variant: str | None) -> str:
 def _weight_files(path: Any, variant: str | None, hub: dict) -> list[str]:
     """The weight files of a ``save_pretrained`` folder (or Hub repo): safetensors or ``pytorch_model.bin``,
     single or sharded (``*.index.json``). Empty when none is found (transformers then says what is missing)."""
-    from transformers.utils import (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
-                                    cached_file)
+    from transformers.utils import (
+        SAFE_WEIGHTS_INDEX_NAME,
+        SAFE_WEIGHTS_NAME,
+        WEIGHTS_INDEX_NAME,
+        WEIGHTS_NAME,
+        cached_file,
+    )
 
     def find(name: str) -> str | None:
         return cached_file(str(path), _with_variant(name, variant), _raise_exceptions_for_missing_entries=False,

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 __all__ = ["SITE_PREFIX", "is_site_key", "is_site_record_key", "site_record_owner", "encode_record", "decode_record",
-           "plain", "CONFIG_KEY", "FOLDER_MODEL_TYPE", "note_patch_on_config", "forget_patch_on_config", "folder_config_class",
-           "original_config_class", "register_folder_config", "folder_model_config"]
+           "plain", "CONFIG_KEY", "FOLDER_MODEL_TYPE", "note_patch_on_config", "forget_patch_on_config",
+           "folder_config_class", "original_config_class", "register_folder_config", "folder_model_config"]
 
 # ------------------------------------------------------------------ site keys
 #: attribute names of the sites registered on a patched module: ``_resctl_site0``, ``_resctl_site1``, ...

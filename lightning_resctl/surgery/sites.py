@@ -20,9 +20,21 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..rules.base import branches_sum
-from .chain_run import (ChainEntry, ChainRun, bookkeeping_in_eager_code, checkpoint_frame, counting,
-                        enter_chain, enter_chain_eagerly, inside_reentrant_checkpoint, leave_chain, leave_chain_eagerly,
-                        move_entry, move_entry_eagerly, storage_ptr)
+from .chain_run import (
+    ChainEntry,
+    ChainRun,
+    bookkeeping_in_eager_code,
+    checkpoint_frame,
+    counting,
+    enter_chain,
+    enter_chain_eagerly,
+    inside_reentrant_checkpoint,
+    leave_chain,
+    leave_chain_eagerly,
+    move_entry,
+    move_entry_eagerly,
+    storage_ptr,
+)
 from .parallel import ParallelRun
 from .record import decode_record, encode_record, plain
 
@@ -160,7 +172,8 @@ class MergeSite(nn.Module):
         theirs = (state.get("method"), theirs_options)
         if mine != theirs:
             raise RuntimeError(
-                f"checkpoint was saved with method={theirs[0]!r} options={theirs[1]} at the merge {state.get('path')!r} "
+                f"checkpoint was saved with method={theirs[0]!r} options={theirs[1]} at the merge "
+                f"{state.get('path')!r} "
                 f"({state.get('location')}), but this model is patched with method={mine[0]!r} options={mine[1]}: "
                 "patch the model the same way before loading")
 

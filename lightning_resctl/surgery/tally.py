@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .chain_run import SWITCHED_LINES, counting
 from .events import Observation, site_key, source_line
 from .plan import Plan
-from .chain_run import SWITCHED_LINES, counting
 
 __all__ = ["SiteTally", "site_tallies", "hook_tallies"]
 

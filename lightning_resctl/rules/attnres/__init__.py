@@ -7,8 +7,13 @@ One home: :mod:`.config` (options, defaults, checks), :mod:`.reference` (the for
 from .config import AttnResConfig, BlockAttnResConfig
 from .modules import AttnResChain, AttnResMerge
 from .ops import AttnResState
-from .reference import (attnres_chain_reference, attnres_pool_reference, attnres_sources_reference,
-                        default_block_size, num_sources)
+from .reference import (
+                        attnres_chain_reference,
+                        attnres_pool_reference,
+                        attnres_sources_reference,
+                        default_block_size,
+                        num_sources,
+)
 from .rule import AttnResRule, BlockAttnResRule
 
 __all__ = ["AttnResConfig", "BlockAttnResConfig", "AttnResRule", "BlockAttnResRule", "AttnResChain", "AttnResMerge",

@@ -50,8 +50,16 @@ from __future__ import annotations
 from ..common import BACKENDS
 from .config import GATINGS, MGRConfig
 from .modules import MGRChain, MGRMerge, MGRPool, MGRRun
-from .reference import (B_BASE, L_BASE, MGRInit, attn_pool_reference, mgr_bias_init, mgr_gates_reference,
-                        mgr_merge_reference, mgr_step_reference)
+from .reference import (
+                        B_BASE,
+                        L_BASE,
+                        MGRInit,
+                        attn_pool_reference,
+                        mgr_bias_init,
+                        mgr_gates_reference,
+                        mgr_merge_reference,
+                        mgr_step_reference,
+)
 from .rule import MGRRule
 
 __all__ = [

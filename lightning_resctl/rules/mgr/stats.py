@@ -73,7 +73,8 @@ class MGRStats(DepthMetric):
             self.beta_sumsq[d, :k] += b.square().sum(0)
             self.beta_count[d, :k] += b.shape[0]
             for i in range(k):
-                self.beta_hist[d, i] += torch.histc(b[:, i].float(), bins=self.hist_bins, min=0.0, max=1.0).to(STATS_DTYPE)
+                hist = torch.histc(b[:, i].float(), bins=self.hist_bins, min=0.0, max=1.0)
+                self.beta_hist[d, i] += hist.to(STATS_DTYPE)
         if forget is not None:
             f = forget.detach().to(STATS_DTYPE)
             self.forget_sum[d] += f.sum()

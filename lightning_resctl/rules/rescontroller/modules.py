@@ -5,9 +5,9 @@ from typing import Optional
 
 from torch import Tensor, nn
 
+from ...runtime.backends import resolve_backend
 from ..common import check_rule_backend
 from .config import ResControllerConfig
-from ...runtime.backends import resolve_backend
 from .ops import rescontroller_merge
 from .reference import check_dim_type, check_tensors
 

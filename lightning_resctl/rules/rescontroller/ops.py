@@ -146,7 +146,8 @@ class _ResControllerFunction(torch.autograd.Function):
                 None, None, None, None, None, None, None)
 
 
-#: (forward, backward) math for a torch_mode: eager torch ops, or their compiled regions (lightning_resctl.runtime.backends)
+#: (forward, backward) math for a torch_mode: eager torch ops, or their compiled regions
+#: (lightning_resctl.runtime.backends)
 _math_fns = CompiledMath(_lean_forward, _lean_backward, rule="rescontroller")
 
 
@@ -188,10 +189,10 @@ def rescontroller(
     ``backend``: "auto" (Triton for CUDA tensors when Triton works, else torch), "triton"
     (alias "native"), "torch" (the lean autograd.Function; on CPU its math runs as one compiled
     region per direction, compiled in the background while the first calls run eagerly, when a C++ compiler is
-    present — "torch-eager" / "torch-compiled" force either, see :mod:`lightning_resctl.runtime.backends`), or "reference" (:func:`rescontroller_reference`
-    under plain autograd: slower and saves every intermediate, but double backward, forward-mode AD,
-    ``vmap`` and ``torch.func.grad`` work through it; the other backends refuse those with a
-    RuntimeError). Output dtype: the promoted input dtype; math in fp32 (fp64 for fp64 inputs), also
+    present — "torch-eager" / "torch-compiled" force either, see :mod:`lightning_resctl.runtime.backends`), or
+    "reference" (:func:`rescontroller_reference` under plain autograd: slower and saves every intermediate, but
+    double backward, forward-mode AD, ``vmap`` and ``torch.func.grad`` work through it; the other backends refuse
+    those with a RuntimeError). Output dtype: the promoted input dtype; math in fp32 (fp64 for fp64 inputs), also
     under ``torch.autocast``.
     """
     backend = check_rule_backend(backend)
