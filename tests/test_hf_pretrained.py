@@ -144,11 +144,12 @@ with torch.no_grad():
 def test_a_loader_that_does_not_know_the_patch_fails_loudly_and_an_aware_one_builds_it(tmp_path):
     """Fresh processes. transformers alone: the folder's model type is unknown, so ``AutoModelForCausalLM
     .from_pretrained`` raises (naming it) instead of building the unpatched network. ``import lightning_resctl``
-    first, transformers after: the same call builds the patched network (the logits of the trained model)."""
+    first, transformers after: the same call builds the patched network (the logits of the trained model). MGR's
+    eager torch path in both processes: exact, whenever a background compile lands."""
     import subprocess
     import sys
 
-    model = _trained(_gpt2(), "mgr-competitive", streams=2)
+    model = _trained(_gpt2(), "mgr-competitive", streams=2, backend="torch-eager")
     model.save_pretrained(tmp_path / "m")
     torch.save(IDS, tmp_path / "ids.pt")
     with torch.no_grad():
