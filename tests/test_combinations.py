@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -305,6 +306,26 @@ def test_a_checkpointed_blocks_recomputation_runs_the_graphs_its_forward_ran(met
     logits.square().mean().backward()
     assert counter.frame_count == compiled_in_forward, "the recomputation compiled graphs of its own"
     assert_same_step(step(run, model, _x(), "fp32"), step(ref, ref, _x(), "fp32"), TOL[("fp32", True)])
+    torch._dynamo.reset()
+
+
+def test_a_recompile_limit_below_the_chains_merges_is_named_with_the_value_to_set():
+    """Each merge position compiles a graph of its own in a checkpointed block compiled on its own: a recompile limit
+    below the chain's merges runs the blocks past it eagerly, which the user learns from a warning naming the
+    setting and a value; the default limit over this model's 4 merges warns nothing."""
+    torch._dynamo.reset()
+    model, ref = patched_pair("hc", "ckpt-first")
+    run, _ = compiled(model, "per-block")
+    with pytest.warns(UserWarning, match=r"has 4 merges.*recompile_limit is 3.*recompile_limit = 8"):
+        with torch._dynamo.config.patch(recompile_limit=3):
+            got = step(run, model, _x(), "fp32")
+    assert_same_step(got, step(ref, ref, _x(), "fp32"), TOL[("fp32", True)])
+    torch._dynamo.reset()
+    model, _ = patched_pair("hc", "ckpt-first")
+    run, _ = compiled(model, "per-block")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*recompile_limit")
+        step(run, model, _x(), "fp32")
     torch._dynamo.reset()
 
 

@@ -33,6 +33,7 @@ graph break before and after each merge's math (which ``fullgraph=True`` refuses
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from typing import Any, NamedTuple, Optional
 
@@ -321,7 +322,25 @@ _GRAPH_BREAK = (
     "code, at a graph break, which torch.compile(fullgraph=True) refuses. Compile the block without fullgraph, or "
     "checkpoint inside the compiled block (checkpoint_wrapper before torch.compile, with "
     "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint=True), or compile the whole model")
-enter_chain_eagerly = torch.compiler.disable(enter_chain, reason=_GRAPH_BREAK)
+
+
+def _enter_chain_at_a_graph_break(site: nn.Module, run: ChainRun, stream: torch.Tensor, origin: torch.Tensor,
+                                  phase: Optional[str]) -> tuple:
+    """:func:`enter_chain` for a block compiled on its own inside a checkpointed region, at its graph break: each
+    merge position of the chain compiles a graph of its own there (the rule's step depends on the position), so a
+    recompile limit below the chain's merges runs the blocks past it eagerly, with dynamo's terse warning only."""
+    limit = torch._dynamo.config.recompile_limit
+    if run.num_merges >= limit and not run.__dict__.get("_warned_recompile_limit"):
+        run.__dict__["_warned_recompile_limit"] = True
+        warnings.warn(
+            f"residual chain {run.index} has {run.num_merges} merges, and each compiles a graph of its own in blocks "
+            f"compiled on their own under activation checkpointing, but torch._dynamo.config.recompile_limit is "
+            f"{limit}: dynamo runs the merges past it eagerly (the same results, slower). Raise it before the first "
+            f"step: torch._dynamo.config.recompile_limit = {2 * run.num_merges}", stacklevel=2)
+    return enter_chain(site, run, stream, origin, phase)
+
+
+enter_chain_eagerly = torch.compiler.disable(_enter_chain_at_a_graph_break, reason=_GRAPH_BREAK)
 leave_chain_eagerly = torch.compiler.disable(leave_chain, reason=_GRAPH_BREAK)
 move_entry_eagerly = torch.compiler.disable(move_entry, reason=_GRAPH_BREAK)
 
