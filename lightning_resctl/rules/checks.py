@@ -12,7 +12,7 @@ import numbers
 from typing import Any, Optional
 
 __all__ = ["OptionTypeError", "check_finite", "check_positive", "check_interval", "check_int", "check_choice",
-           "check_eps", "check_bool"]
+           "check_eps", "check_bool", "keywords_or_config"]
 
 
 class OptionTypeError(TypeError, ValueError):
@@ -82,3 +82,16 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise OptionTypeError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def keywords_or_config(owner: str, keywords: Any, config: Any) -> Any:
+    """The options of a module that takes them as keywords or whole as ``config=``: ``config`` when given, else
+    ``keywords`` (the config the keywords build); a TypeError when both are given (a keyword off its default)."""
+    if config is None:
+        return keywords
+    default = type(keywords)()
+    if keywords != default:
+        changed = {f: v for f, v in vars(keywords).items() if v != getattr(default, f)}
+        raise TypeError(f"{owner} takes its options as keywords or as config=, not both: got config={config!r} and "
+                        f"{changed}; put them in the config")
+    return config

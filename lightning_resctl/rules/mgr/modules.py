@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ...runtime.backends import resolve_backend
-from ..checks import check_int
+from ..checks import check_int, keywords_or_config
 from .config import MGRConfig
 from .inversion import InvertRun
 from .ops import check_step_backend, mgr_step, tie_zero_grad
@@ -173,13 +173,7 @@ class MGRChain(nn.Module):
         super().__init__()
         keywords = MGRConfig(streams, gating, invert, backend, b_base, l_base, beta_init_max, invert_top_p,
                              invert_threshold, invert_max_gain, eps)
-        if config is None:
-            config = keywords
-        elif keywords != MGRConfig():
-            changed = {f: v for f, v in vars(keywords).items() if v != getattr(MGRConfig, f)}
-            raise TypeError(f"MGRChain takes its options as keywords or as config=, not both: got config={config!r} "
-                            f"and {changed}; put them in the config")
-        c = config.validate()
+        c = keywords_or_config("MGRChain", keywords, config).validate()
         check_int("dim", dim, 1)
         check_int("num_merges", num_merges, 1)
         self.set_backend(c.backend)

@@ -6,6 +6,7 @@ from typing import Optional
 from torch import Tensor, nn
 
 from ...runtime.backends import resolve_backend
+from ..checks import keywords_or_config
 from ..common import check_rule_backend
 from .config import ResControllerConfig
 from .ops import rescontroller_merge
@@ -39,12 +40,7 @@ class ResController(nn.Module):
     ):
         super().__init__()
         keywords = ResControllerConfig(update_ratio, stream_ratio, update_softness, stream_softness, eps, backend)
-        if config is None:
-            config = keywords
-        elif keywords != ResControllerConfig():
-            changed = {f: v for f, v in vars(keywords).items() if v != getattr(ResControllerConfig, f)}
-            raise TypeError(f"ResController takes its options as keywords or as config=, not both: got "
-                            f"config={config!r} and {changed}; put them in the config")
+        config = keywords_or_config("ResController", keywords, config)
         (self.update_ratio, self.stream_ratio, self.update_softness, self.stream_softness, self.eps) = config.math()
         self.dim = check_dim_type(dim)
         self.backend = "auto"
