@@ -17,6 +17,42 @@ __all__ = ["NanoGPT", "CausalSelfAttention", "MLP", "Block", "TinyViT", "ViTBloc
 from lightning_resctl.compare.nanogpt import MLP, Block, CausalSelfAttention, NanoGPT  # noqa: E402,F401
 
 
+class TanhBranch(nn.Module):
+    """A residual branch of width ``c``: ``fc(tanh(ln(x)))`` (the update of ``x = x + branch(x)``)."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(c)
+        self.fc = nn.Linear(c, c)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.ln(x)))
+
+
+class PreNormBlock(nn.Module):
+    """Pre-norm transformer-like block of width ``c``: two merges (``x = x + f(ln(x))``)."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(c), nn.LayerNorm(c)
+        self.f1, self.f2 = nn.Linear(c, c), nn.Sequential(nn.Linear(c, 2 * c), nn.GELU(), nn.Linear(2 * c, c))
+
+    def forward(self, x):
+        x = x + self.f1(torch.tanh(self.ln1(x)))
+        x = x + self.f2(self.ln2(x))
+        return x
+
+
+class PreNormInplaceBlock(PreNormBlock):
+    """The second merge written in place into the branch's output (``out += x``, torchvision style)."""
+
+    def forward(self, x):
+        x = x + self.f1(torch.tanh(self.ln1(x)))
+        out = self.f2(self.ln2(x))
+        out += x
+        return out
+
+
 class ViTBlock(nn.Module):
     """timm-style ViT block: pre-norm, layer scale, ``x = x + ls(attn(norm(x)))``."""
 

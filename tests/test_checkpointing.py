@@ -12,36 +12,13 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from _resctl_ckpt_dist_script import randomize_rule  # the rule's parameters moved away from their init
 from lightning_resctl import get_merge_rule, merge_rules, patch_residuals
+from models import PreNormBlock, PreNormInplaceBlock
 
 CHAIN = [m for m in merge_rules() if get_merge_rule(m).kind == "chain"]
 C = 16
 
 
-class Block(nn.Module):
-    """Pre-norm transformer-like block: two merges (``x = x + f(ln(x))``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(C), nn.LayerNorm(C)
-        self.f1, self.f2 = nn.Linear(C, C), nn.Sequential(nn.Linear(C, 2 * C), nn.GELU(), nn.Linear(2 * C, C))
-
-    def forward(self, x):
-        x = x + self.f1(torch.tanh(self.ln1(x)))
-        x = x + self.f2(self.ln2(x))
-        return x
-
-
-class InplaceBlock(Block):
-    """The second merge written in place into the branch's output (``out += x``)."""
-
-    def forward(self, x):
-        x = x + self.f1(torch.tanh(self.ln1(x)))
-        out = self.f2(self.ln2(x))
-        out += x
-        return out
-
-
-class ParallelBlock(Block):
+class ParallelBlock(PreNormBlock):
     """A parallel block written as two additions: one merge of the input with both branches."""
 
     def forward(self, x):
@@ -56,10 +33,10 @@ class Net(nn.Module):
     chooses the variant), "offload" (the same inside offloading saved-tensor hooks) or "sequential"
     (checkpoint_sequential in 2 segments: blocks 0-1 in one region, 2-3 not checkpointed)."""
 
-    def __init__(self, layers=4, ckpt=None, reentrant=False, block=Block):
+    def __init__(self, layers=4, ckpt=None, reentrant=False, block=PreNormBlock):
         super().__init__()
         self.emb = nn.Linear(C, C)
-        self.blocks = nn.Sequential(*(block() for _ in range(layers)))
+        self.blocks = nn.Sequential(*(block(C) for _ in range(layers)))
         self.head = nn.Linear(C, 3)
         self.ckpt, self.reentrant = ckpt, reentrant
 
@@ -118,7 +95,7 @@ def exact_options(method, **options):
     return options
 
 
-def _patched_pair(method, ckpt, order, reentrant=False, block=Block, **options):
+def _patched_pair(method, ckpt, order, reentrant=False, block=PreNormBlock, **options):
     """(checkpointed patched model, non-checkpointed patched twin with the same parameters)."""
     torch.manual_seed(0)
     model = Net(ckpt=ckpt if order == "ckpt-first" else None, reentrant=reentrant, block=block)
@@ -160,13 +137,13 @@ def test_checkpoint_sequential_gives_the_gradients_of_the_plain_patched_model(me
 
 
 @pytest.mark.parametrize("ckpt", ["block", "sequential"])  # sequential: 2 blocks in one region
-@pytest.mark.parametrize("block", [InplaceBlock, ParallelBlock], ids=["in-place", "parallel"])
+@pytest.mark.parametrize("block", [PreNormInplaceBlock, ParallelBlock], ids=["in-place", "parallel"])
 @pytest.mark.parametrize("method", ["mgr", "attnres-block", "hc"])
 def test_in_place_and_parallel_merges_under_checkpointing(method, block, ckpt):
     model, ref = _patched_pair(method, ckpt, "patch-first", block=block)
     report_sites = [s for s in model.modules() if type(s).__name__ == "MergeSite"]
-    assert len(report_sites) == (8 if block is InplaceBlock else 4)
-    assert all(s.inplace == "update" for s in report_sites[1::2]) if block is InplaceBlock else True
+    assert len(report_sites) == (8 if block is PreNormInplaceBlock else 4)
+    assert all(s.inplace == "update" for s in report_sites[1::2]) if block is PreNormInplaceBlock else True
     x = _x(1)
     assert_same_grads(grads_of(model, _loss(x)), grads_of(ref, _loss(x)))
 
@@ -176,7 +153,7 @@ class Body(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.blocks = nn.ModuleList(PreNormBlock(C) for _ in range(3))
 
     def forward(self, x):
         for b in self.blocks:

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_resctl import get_merge_rule, merge_rules, patch_residuals
 from lightning_resctl.runtime.backends import cpu_compile_available
+from models import PreNormBlock, PreNormInplaceBlock
 
 C, LAYERS = 16, 2
 RULES = [m for m in merge_rules() if m not in ("mgr",)]  # "mgr" is mgr-competitive under its short name
@@ -38,36 +39,13 @@ INPLACE = (False, True)
 TOL = {("fp32", False): 1e-6, ("fp32", True): 1e-6, ("bf16", False): 1e-6, ("bf16", True): 1e-2}
 
 
-class Block(nn.Module):
-    """Pre-norm transformer-like block, two merges (``x = x + f(ln(x))``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(C), nn.LayerNorm(C)
-        self.f1, self.f2 = nn.Linear(C, C), nn.Sequential(nn.Linear(C, 2 * C), nn.GELU(), nn.Linear(2 * C, C))
-
-    def forward(self, x):
-        x = x + self.f1(torch.tanh(self.ln1(x)))
-        return x + self.f2(self.ln2(x))
-
-
-class InplaceBlock(Block):
-    """The second merge in place into the branch's output (``y += x``, torchvision style)."""
-
-    def forward(self, x):
-        x = x + self.f1(torch.tanh(self.ln1(x)))
-        y = self.f2(self.ln2(x))
-        y += x
-        return y
-
-
 class Net(nn.Module):
     """Embedding, ``LAYERS`` blocks, head; ``ckpt``: each block in non-reentrant ``torch.utils.checkpoint``."""
 
-    def __init__(self, block=Block):
+    def __init__(self, block=PreNormBlock):
         super().__init__()
         self.emb = nn.Linear(C, C)
-        self.blocks = nn.ModuleList(block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(block(C) for _ in range(LAYERS))
         self.head = nn.Linear(C, 3)
         self.ckpt = False
 
@@ -94,7 +72,7 @@ def patched_pair(method, ckpt="none", inplace=False):
     """(model to test, its eager non-checkpointed twin with the same parameters); the rule's parameters moved off
     their init (zero-init queries would hide wrong gradients)."""
     torch.manual_seed(0)
-    model = Net(InplaceBlock if inplace else Block)
+    model = Net(PreNormInplaceBlock if inplace else PreNormBlock)
     model.ckpt = ckpt == "ckpt-first"
     report = patch_residuals(model, method=method, example_input=(_x(0),), **exact_options(method))
     g = torch.Generator().manual_seed(3)

@@ -15,20 +15,11 @@ from torch import nn
 from lightning_resctl import merge_rules, patch_residuals, unpatch_residuals
 from lightning_resctl.rules import get_merge_rule
 from lightning_resctl.surgery import get_patch_report, merge_sites
+from models import TanhBranch
 
 ALL = list(merge_rules())
 CHAIN = [m for m in ALL if get_merge_rule(m).kind == "chain"]
 C = 16
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln = nn.LayerNorm(C)
-        self.fc = nn.Linear(C, C)
-
-    def forward(self, x):
-        return self.fc(torch.tanh(self.ln(x)))
 
 
 class LoopNet(nn.Module):
@@ -37,7 +28,7 @@ class LoopNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = nn.Linear(C, C)
-        self.f = nn.ModuleList(Block() for _ in range(4))
+        self.f = nn.ModuleList(TanhBranch(C) for _ in range(4))
         self.head = nn.Linear(C, 3)
         self.fail_at = None
 
@@ -56,7 +47,7 @@ class TrainOnlyNet(nn.Module):
     def __init__(self, where: int = 3):
         super().__init__()
         self.emb = nn.Linear(C, C)
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.blocks = nn.ModuleList(TanhBranch(C) for _ in range(4))
         self.where = where
         self.head = nn.Linear(C, 3)
 
@@ -312,7 +303,7 @@ class CkptNet(nn.Module):
     def __init__(self, reentrant: bool):
         super().__init__()
         self.emb = nn.Linear(C, C)
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.blocks = nn.ModuleList(TanhBranch(C) for _ in range(3))
         self.reentrant = reentrant
 
     def forward(self, x):
@@ -378,7 +369,7 @@ def test_no_grad_inference_mode_and_deepcopy_agree(method):
     clone2 = pickle.loads(pickle.dumps(model))
     assert torch.equal(clone2(x), model(x))
     unpatch_residuals(clone)
-    assert type(clone.f[0]) is Block
+    assert type(clone.f[0]) is TanhBranch
 
 
 @pytest.mark.parametrize("method", ALL)
@@ -439,7 +430,7 @@ class InPlaceUpdateNet(nn.Module):
     def __init__(self, in_place: bool = True):
         super().__init__()
         self.emb = nn.Linear(C, C)
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.blocks = nn.ModuleList(TanhBranch(C) for _ in range(3))
         self.in_place = in_place
 
     def forward(self, x):
@@ -463,7 +454,7 @@ class InPlaceStreamNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = nn.Linear(C, C)
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.blocks = nn.ModuleList(TanhBranch(C) for _ in range(3))
 
     def forward(self, x):
         x = self.emb(x)

@@ -10,25 +10,16 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_resctl import merge_rules, patch_residuals, unpatch_residuals
 from lightning_resctl.rules import get_merge_rule
+from models import TanhBranch
 
 C = 8
 METHODS = list(merge_rules())
 
 
-class Branch(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln = nn.LayerNorm(C)
-        self.fc = nn.Linear(C, C)
-
-    def forward(self, x):
-        return self.fc(torch.tanh(self.ln(x)))
-
-
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
-        self.f = Branch()
+        self.f = TanhBranch(C)
         self.ckpt = False
 
     def forward(self, x):
