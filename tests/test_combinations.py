@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import warnings
 
@@ -267,6 +268,42 @@ def test_a_per_merge_rule_compiles_a_whole_model_with_checkpointed_blocks(method
     run, counter = compiled(model, "whole")
     assert_same_step(step(run, model, _x(), "fp32"), step(ref, ref, _x(), "fp32"), TOL[("fp32", True)])
     assert counter.frame_count == 1 and counter.op_count >= 1
+    torch._dynamo.reset()
+
+
+def _checkpointing(forward):
+    """``forward`` checkpointed while training, as transformers' ``GradientCheckpointingLayer`` (5.x) wraps a layer's
+    ``forward`` (``functools.wraps``): the module's hooks stay outside the checkpoint, its merges run inside it."""
+
+    @functools.wraps(forward)
+    def forward_with_checkpointing(self, x):
+        if self.training:
+            return checkpoint(forward, self, x, use_reentrant=False)
+        return forward(self, x)
+    return forward_with_checkpointing
+
+
+class ForwardCheckpointedBlock(PreNormBlock):
+    forward = _checkpointing(PreNormBlock.forward)
+
+
+@pytest.mark.parametrize("method,side_effects", [("rescontroller", False), ("rescontroller", True), ("hc", True)],
+                         ids=["rescontroller", "rescontroller-side-effects", "hc-side-effects"])
+def test_blocks_compiled_on_their_own_that_checkpoint_their_forward_train_as_eager(method, side_effects):
+    """Compiled per block, such a checkpoint is traced into the block's graph while the module's hooks are not:
+    its merges mark their module's tally there, a side effect, so dynamo runs the checkpoint eagerly, or compiles
+    it with torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint (as the docs advise); either way the
+    step is the eager one, not refused as if the merges had not run."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net(ForwardCheckpointedBlock)
+    patch_residuals(model, method=method, example_input=(_x(0),), **exact_options(method))
+    ref = copy.deepcopy(model)
+    run, counter = compiled(model, "per-block")
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=side_effects):
+        got = step(run, model, _x(), "fp32")
+    assert_same_step(got, step(ref, ref, _x(), "fp32"), TOL[("fp32", True)])
+    assert counter.frame_count >= 1 or not side_effects
     torch._dynamo.reset()
 
 

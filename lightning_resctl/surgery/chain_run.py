@@ -43,7 +43,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["ChainRun", "ChainEntry", "ChainStart", "ChainEnd", "SWITCHED_LINES", "enter_chain", "leave_chain",
            "move_entry", "enter_chain_eagerly", "leave_chain_eagerly", "move_entry_eagerly",
-           "bookkeeping_in_eager_code", "counting", "checkpoint_frame", "inside_reentrant_checkpoint", "storage_ptr"]
+           "bookkeeping_in_eager_code", "counting", "counting_merge", "checking", "checkpoint_frame",
+           "inside_reentrant_checkpoint", "storage_ptr"]
 
 #: The likely cause and the fix, in every message about observed merges that did not run.
 SWITCHED_LINES = (
@@ -278,22 +279,66 @@ def move_entry(run: ChainRun, merged: torch.Tensor, out: torch.Tensor) -> None:
         run.entries[out] = entry._replace(version=out._version)
 
 
-@torch.compiler.assume_constant_result
-def _traced_in_higher_order_op() -> bool:
-    """True while dynamo traces the body of a higher-order op (``torch.utils.checkpoint`` inside a compiled model),
-    where it refuses side effects; a constant of the trace (no guard)."""
+def _output_graph() -> Any:
+    """The output graph dynamo is building now (its ``current_tracer`` is a higher-order op's body while dynamo
+    traces one), or None on a torch without it."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
-        return InstructionTranslator.current_tx().output.current_tracer.parent is not None
+        return InstructionTranslator.current_tx().output
     except (ImportError, AttributeError):  # another torch: count as outside (the side effect is then traced)
-        return False
+        return None
+
+
+def _in_higher_order_op() -> bool:
+    graph = _output_graph()
+    return graph is not None and graph.current_tracer.parent is not None
+
+
+#: the higher-order op bodies (their subtracers) in which dynamo traced the start of a patched module's call
+_CALLS_STARTED_IN: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@torch.compiler.assume_constant_result
+def _call_started_in_higher_order_op() -> bool:
+    """True while dynamo traces the body of a higher-order op (``torch.utils.checkpoint`` inside a compiled model),
+    where it refuses side effects; the body is noted (a module's call started there). A constant of the trace."""
+    inside = _in_higher_order_op()
+    if inside:
+        _CALLS_STARTED_IN.add(_output_graph().current_tracer)
+    return inside
+
+
+@torch.compiler.assume_constant_result
+def _traced_in_higher_order_op() -> bool:
+    """True while dynamo traces the body of a higher-order op; a constant of the trace (no guard)."""
+    return _in_higher_order_op()
+
+
+@torch.compiler.assume_constant_result
+def _merge_traced_in_its_calls_op() -> bool:
+    """True while dynamo traces a merge in a higher-order op's body in which a patched module's call started (the
+    merge's module: its hooks and its merges inside one checkpoint)."""
+    return _in_higher_order_op() and _output_graph().current_tracer in _CALLS_STARTED_IN
 
 
 def counting() -> bool:
-    """Whether a module's merge tally (:mod:`.tally`) is kept in this call: always, except in a checkpointed region
-    traced into a compiled model (a higher-order op's body), where a side effect would make dynamo give up the whole
-    frame (run it eagerly); the module's hooks and its merges are then traced in the same body, so none of them
-    counts."""
+    """Whether a module's merge tally (:mod:`.tally`) is cleared at the start of this call: always, except in a
+    checkpointed region traced into a compiled model (a higher-order op's body), where a side effect would make
+    dynamo give up the whole frame (run it eagerly); the module's merges and the end of its call are then traced in
+    the same body and leave the tally alone too."""
+    return not torch.compiler.is_compiling() or not _call_started_in_higher_order_op()
+
+
+def counting_merge() -> bool:
+    """Whether a merge marks its module's tally: as :func:`counting`. A merge traced in a higher-order op whose
+    module's call started outside it (transformers' layers checkpoint their ``forward``, not their hooks) marks it:
+    dynamo then runs that checkpoint eagerly (or keeps the mark, with
+    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint``), and the end of the call checks it."""
+    return not torch.compiler.is_compiling() or not _merge_traced_in_its_calls_op()
+
+
+def checking() -> bool:
+    """Whether the end of a module's call checks its tally: as :func:`counting`."""
     return not torch.compiler.is_compiling() or not _traced_in_higher_order_op()
 
 

@@ -25,7 +25,7 @@ from .chain_run import (
     ChainRun,
     bookkeeping_in_eager_code,
     checkpoint_frame,
-    counting,
+    counting_merge,
     enter_chain,
     enter_chain_eagerly,
     inside_reentrant_checkpoint,
@@ -206,7 +206,7 @@ class MergeSite(nn.Module):
     def _mark_ran(self) -> None:
         """Mark in this site's module tally (:mod:`.tally`) that the site ran in the module's current call."""
         tally = self._tally
-        if tally is not None and counting():
+        if tally is not None and counting_merge():
             tally.ran |= 1 << self._tally_bit
 
     def _merge_parallel(self, partial: torch.Tensor, update: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .chain_run import SWITCHED_LINES, counting
+from .chain_run import SWITCHED_LINES, checking, counting
 from .events import Observation, site_key, source_line
 from .plan import Plan
 
@@ -57,7 +57,7 @@ class TallyEnd:
         self.tally = tally
 
     def __call__(self, module, args, output):
-        if not counting():
+        if not checking():
             return
         tally = self.tally
         expected = tally.expected["train" if module.training else "eval"]
