@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
@@ -20,24 +21,24 @@ __all__ = ["load_kernels", "interpreter_mode", "triton_available", "triton_runs_
 def _load_kernels_package() -> ModuleType:
     """Import ``lightning_resctl.kernels``.
 
-    Installed distributions map the top-level ``kernels/`` folder to ``lightning_resctl.kernels``. When the
-    package is imported from a source checkout (a ``kernels/`` folder and a ``pyproject.toml`` beside it), the
-    checkout's own ``kernels/`` is loaded under that name: an installed mapping (an editable install of another
-    checkout or worktree, or a non-editable ``pip install .``) could otherwise pair this package with kernels of
-    a different version.
+    The top-level ``kernels/`` folder has no ``__init__.py``: from a checkout's root (on ``sys.path`` under
+    ``python -m pytest`` or ``python -c``) a regular package there would hide Hugging Face's ``kernels``, which
+    transformers imports. Installed distributions map the folder to ``lightning_resctl.kernels`` (a package without
+    ``__init__.py`` inside this one). When this package is imported from a source checkout (``kernels/_library.py``
+    and a ``pyproject.toml`` beside it), the checkout's own folder is loaded under that name: an installed mapping
+    (an editable install of another checkout or worktree, or a non-editable ``pip install .``) could otherwise pair
+    this package with kernels of a different version.
     """
     loaded = sys.modules.get("lightning_resctl.kernels")
     if loaded is not None:
         return loaded
     root = Path(__file__).resolve().parents[2]  # lightning_resctl/runtime/triton.py -> the checkout
     folder = root / "kernels"
-    if (folder / "__init__.py").exists() and (root / "pyproject.toml").exists():
-        spec = importlib.util.spec_from_file_location(
-            "lightning_resctl.kernels", folder / "__init__.py", submodule_search_locations=[str(folder)]
-        )
+    if (folder / "_library.py").exists() and (root / "pyproject.toml").exists():
+        spec = importlib.machinery.ModuleSpec("lightning_resctl.kernels", None, is_package=True)
+        spec.submodule_search_locations = [str(folder)]
         module = importlib.util.module_from_spec(spec)
         sys.modules["lightning_resctl.kernels"] = module
-        spec.loader.exec_module(module)
         return module
     return importlib.import_module("lightning_resctl.kernels")
 
