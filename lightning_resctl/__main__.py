@@ -22,14 +22,27 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
+from importlib.resources import files
 
 from .compare.program import program_name
 
 _COMMANDS = ("compare", "summarize")
 
-#: The versions of the stack the test suite runs against, written once (``--version`` prints them beside the
-#: installed ones; docs/install.md quotes them, a test checks it): torch's CPU build, triton's CPU interpreter.
-TESTED_WITH = {"torch": "2.13.0", "lightning": "2.6.6", "transformers": "5.24.0", "triton": "3.9.0"}
+#: The distributions ``--version`` names, installed beside tested.
+STACK = ("torch", "lightning", "transformers", "triton")
+
+
+def tested_versions() -> dict[str, str]:
+    """The versions the whole test suite last passed with: ``lightning_resctl/tested_versions.txt``, a pip
+    constraints file (``pip install -c``; README, docs/install.md), one ``name==version`` a line."""
+    text = files(__package__).joinpath("tested_versions.txt").read_text()
+    pins = (line.split("#", 1)[0].strip() for line in text.splitlines())
+    return {name.strip().lower(): pinned.strip() for name, pinned in (p.split("==", 1) for p in pins if p)}
+
+
+#: The versions of the stack the test suite last passed with (torch's CPU build, triton's CPU interpreter), read
+#: from the constraints file, where they are written once.
+TESTED_WITH = {dist: tested_versions()[dist] for dist in STACK}
 
 
 def _installed(dist: str) -> str:

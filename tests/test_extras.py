@@ -159,3 +159,17 @@ def test_the_check_sees_a_package_outside_the_extras():
     assert {"torch", "lightning", "pytest", "hyper-connections", "einops"} <= provided
     # pip itself is on every machine but no requirement of the project or its test extra brings it
     assert "pip" not in provided
+
+
+def test_the_tested_versions_pin_everything_the_test_command_installs():
+    """``lightning_resctl/tested_versions.txt`` reproduces a green run as pip constraints: it pins every
+    distribution the README's test command installs (the project's dependencies and test extra with all of theirs,
+    the command's own requirements, the ``--no-deps`` ones), once each, and not the project itself."""
+    from lightning_resctl.__main__ import tested_versions
+
+    requirements, extras, alone = _command_requirements(_test_command())
+    project = Requirement(f"{PROJECT}[{','.join(sorted(extras))}]")
+    needed = (_installed_closure([project, *requirements]) | alone) - {PROJECT}
+    pins = [canonicalize_name(name) for name in tested_versions()]
+    assert len(pins) == len(set(pins)) and PROJECT not in pins
+    assert needed - set(pins) == set(), "installed by the test command but not pinned"

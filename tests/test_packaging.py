@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_resctl.__main__ import TESTED_WITH
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: the folders whose modules run from a checkout import by their top-level names: the root (``python -m pytest``,
@@ -43,6 +45,8 @@ WHERE_FROM = textwrap.dedent("""
     print("mgr", load_kernels("mgr").__file__)
     print("rescontroller", load_kernels("rescontroller").__file__)
     print("kernels", spec.origin if spec is not None else None)
+    from lightning_resctl.__main__ import TESTED_WITH  # read from the package's tested_versions.txt
+    print("tested-torch", TESTED_WITH["torch"])
 """)
 
 
@@ -158,4 +162,5 @@ def test_an_installed_copy_used_from_another_folder_loads_its_own_kernels_beside
     hf = _hf_kernels_installed()
     if hf is not None:
         assert Path(where["kernels"]).resolve() == hf / "__init__.py"
+    assert where["tested-torch"] == TESTED_WITH["torch"]  # the constraints file ships with the package
     assert _run(TRANSFORMERS_RUNS, cwd=elsewhere, python=python)["logits"] == "(1, 4, 32)"
