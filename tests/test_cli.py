@@ -77,7 +77,7 @@ def test_print_config_in_a_fresh_interpreter_shows_the_builtin_default_and_the_c
     assert proc.returncode == 0, proc.stderr[-2000:]
     config = yaml.safe_load(proc.stdout)
     assert config["model"]["class_path"].endswith("CharGPT") and config["data"]["class_path"].endswith("CharDataModule")
-    assert config["model"]["init_args"]["n_layer"] == 16 and config["trainer"]["max_steps"] == 160
+    assert config["model"]["init_args"]["n_layer"] == 16 and config["trainer"]["max_steps"] == 100
     assert config["compare"]["methods"] in ("plain,add", ["plain", "add"]) and config["compare"]["resume"] is True
     assert config["compare"]["seeds"] == 2 and "seed_everything" not in config
 

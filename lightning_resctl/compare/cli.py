@@ -30,9 +30,9 @@ from .program import program_name
 
 __all__ = ["CompareCLI", "main", "summarize_main", "resume_command", "TRAINER_DEFAULTS"]
 
-#: Trainer settings of the command line unless given (the quick default of the built-in model: 160 steps,
+#: Trainer settings of the command line unless given (the quick default of the built-in model: 100 steps,
 #: validation every 10 steps on 3 batches, one device).
-TRAINER_DEFAULTS = {"max_steps": 160, "val_check_interval": 10, "check_val_every_n_epoch": None,
+TRAINER_DEFAULTS = {"max_steps": 100, "val_check_interval": 10, "check_val_every_n_epoch": None,
                     "log_every_n_steps": 20, "gradient_clip_val": 1.0, "devices": 1, "num_sanity_val_steps": 0,
                     "enable_model_summary": False}
 DEFAULT_MODEL = "lightning_resctl.compare.gpt.CharGPT"
