@@ -39,6 +39,8 @@ TRANSFORMERS_RUNS = textwrap.dedent("""
 #: where a process's package, its kernels and the top-level ``kernels`` (if any) come from
 WHERE_FROM = textwrap.dedent("""
     import importlib.util, lightning_resctl
+    import lightning_resctl.kernels.tiles  # the documented module path, imported as a user would, first
+    print("tiles", lightning_resctl.kernels.tiles.__file__)
     from lightning_resctl.runtime.triton import load_kernels
     spec = importlib.util.find_spec("kernels")
     print("package", lightning_resctl.__file__)
@@ -118,11 +120,24 @@ def test_from_the_root_the_kernels_are_the_checkouts_and_kernels_is_the_installe
     assert Path(where["package"]).resolve() == ROOT / "lightning_resctl" / "__init__.py"
     assert Path(where["mgr"]).resolve() == ROOT / "kernels" / "mgr.py"
     assert Path(where["rescontroller"]).resolve() == ROOT / "kernels" / "rescontroller.py"
+    assert Path(where["tiles"]).resolve() == ROOT / "kernels" / "tiles.py"
     hf = _hf_kernels_installed()
     if hf is not None:
         assert Path(where["kernels"]).resolve() == hf / "__init__.py"
     else:
         assert where["kernels"] == "None" or not where["kernels"].startswith(str(ROOT))
+
+
+def test_the_editable_install_used_from_another_folder_loads_the_checkouts_kernels(tmp_path):
+    """This environment's install of the checkout (the README's ``pip install -e``), used outside the checkout."""
+    where = _run(WHERE_FROM, cwd=tmp_path)
+    if Path(where["package"]).resolve() != ROOT / "lightning_resctl" / "__init__.py":
+        pytest.skip("this environment's lightning_resctl is not this checkout's editable install")
+    for name in ("mgr", "rescontroller", "tiles"):
+        assert Path(where[name]).resolve() == ROOT / "kernels" / f"{name}.py"
+    hf = _hf_kernels_installed()
+    if hf is not None:
+        assert Path(where["kernels"]).resolve() == hf / "__init__.py"
 
 
 def _fresh_venv_over_this_one(where: Path) -> tuple[str, Path]:
@@ -159,6 +174,7 @@ def test_an_installed_copy_used_from_another_folder_loads_its_own_kernels_beside
     assert Path(where["package"]).resolve() == (installed / "__init__.py").resolve()
     assert Path(where["mgr"]).resolve() == (installed / "kernels" / "mgr.py").resolve()
     assert Path(where["rescontroller"]).resolve() == (installed / "kernels" / "rescontroller.py").resolve()
+    assert Path(where["tiles"]).resolve() == (installed / "kernels" / "tiles.py").resolve()
     hf = _hf_kernels_installed()
     if hf is not None:
         assert Path(where["kernels"]).resolve() == hf / "__init__.py"

@@ -39,8 +39,14 @@ def _load_kernels_package() -> ModuleType:
         spec.submodule_search_locations = [str(folder)]
         module = importlib.util.module_from_spec(spec)
         sys.modules["lightning_resctl.kernels"] = module
+        setattr(sys.modules["lightning_resctl"], "kernels", module)
         return module
     return importlib.import_module("lightning_resctl.kernels")
+
+
+# registered when the package is imported (a module object, nothing of Triton loaded), so that
+# ``import lightning_resctl.kernels.<name>`` finds the checkout's folder in an editable install as well
+_load_kernels_package()
 
 
 _LOADED: dict[str, ModuleType] = {}
