@@ -224,6 +224,86 @@ def test_a_sigterm_job_saves_its_run_says_how_to_resume_and_exits_143(straight, 
         assert run["resumed"] == (key == ("mgr-competitive", 0) and where != "setup")
 
 
+#: what a resumed job may legitimately record differently from a straight one: wall-clock figures (the run's and the
+#: job's times, the timed step count, which leaves out the interval across the stop) and whether the run was resumed
+TIMING_FIELDS = ("wall_s", "train_time_s", "steps_timed", "resumed")
+
+
+def _tensorboard(out: Path) -> dict[str, list[tuple]]:
+    """Every event the job logged to TensorBoard: ``{"method/seedN": sorted [(kind, tag, step, value), ...]}``."""
+    from tbparse import SummaryReader
+
+    record = {}
+    for run in sorted(p for p in (out / "tb").glob("*/seed*") if p.is_dir()):
+        reader = SummaryReader(str(run))
+        events = []
+        for kind in ("scalars", "histograms", "text", "tensors"):
+            frame = getattr(reader, kind)
+            for row in frame.to_dict("records"):
+                tag, step = row.pop("tag"), int(row.pop("step"))
+                events.append((kind, tag, step, repr(sorted((k, repr(v)) for k, v in row.items()))))
+        record[f"{run.parent.name}/{run.name}"] = sorted(events)
+    return record
+
+
+def _assert_same_record(out: Path, reference: Path) -> None:
+    """``out`` holds the record of the job in ``reference``: every TensorBoard event (tag, step, value), every field
+    of every run record, the summary's figures, except :data:`TIMING_FIELDS` and the cost column (a timing)."""
+    got, want = _tensorboard(out), _tensorboard(reference)
+    assert set(got) == set(want)
+    for run in want:
+        assert got[run] == want[run], (run, sorted(set(got[run]) ^ set(want[run]))[:6])
+    runs, reference_runs = _runs(out), _runs(reference)
+    assert set(runs) == set(reference_runs)
+    for key, run in runs.items():
+        for field in set(run) | set(reference_runs[key]):
+            if field not in TIMING_FIELDS:
+                assert run.get(field) == reference_runs[key].get(field), (key, field)
+    summary, reference_summary = (json.loads((d / "summary.json").read_text()) for d in (out, reference))
+    for m, figures in reference_summary["methods"].items():
+        assert {k: v for k, v in summary["methods"][m].items() if k != "cost"} == {
+            k: v for k, v in figures.items() if k != "cost"}, m
+
+
+def _term_on_call(monkeypatch, owner, name: str, call: int) -> None:
+    """SIGTERM this process just before the ``call``-th call of ``owner.name`` (once)."""
+    original, calls = getattr(owner, name), []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+@pytest.mark.parametrize("where", ["train", "validation", "between runs", "summary"])
+def test_a_resumed_job_records_what_the_straight_job_records(straight, tmp_path, monkeypatch, where):
+    """SIGTERM during a training step or a validation of the second run (a patched model, mid-epoch), between two
+    runs, or while the summary is written; then --resume. The folder ends with the straight job's record: the same
+    TensorBoard events (every tag, step and value), run records, diagnostics and summary figures."""
+    import compare_toy
+    from lightning_resctl.compare import plots, records
+
+    marker, out = tmp_path / "terminated", tmp_path / "out"
+    callbacks = []
+    if where in ("train", "validation"):
+        compare_toy.TermOnce.fits = 0
+        callbacks = [{"class_path": "compare_toy.TermOnce",
+                      "init_args": {"step": 6 if where == "train" else 8, "marker": str(marker), "run": 2,
+                                    "where": where}}]
+    config = _yaml(tmp_path / "job.yaml", checkpoint_every_min=60, callbacks=callbacks)
+    with monkeypatch.context() as patch:
+        if where == "between runs":
+            _term_on_call(patch, records.JobFolder, "write_record", 3)  # after the third run, before its record
+        elif where == "summary":
+            _term_on_call(patch, plots, "band_figure", 2)
+        assert cli.main(["--config", str(config), "--out", str(out)]) == 143
+    assert cli.main(["--config", str(config), "--out", str(out), "--resume"]) == 0
+    _assert_same_record(out, straight[0])
+
+
 _API_SCRIPT = """
 import os, signal, sys
 import lightning_resctl

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -109,6 +110,8 @@ def train_run(method: str, seed: int, reference: L.LightningModule, datamodule: 
     user_loggers = [] if user_loggers in (None, True, False) else (
         list(user_loggers) if isinstance(user_loggers, (list, tuple)) else [user_loggers])
     resume = ckpt.is_file()
+    if not resume:  # a run that starts over (stopped before its first save) logs its events afresh
+        shutil.rmtree(folder.tensorboard_dir() / method / f"seed{seed}", ignore_errors=True)
     logger = TensorBoardLogger(save_dir=str(folder.tensorboard_dir()), name=method, version=f"seed{seed}",
                                default_hp_metric=False)
     kwargs.update(logger=[logger, *user_loggers], callbacks=callbacks, enable_progress_bar=False,
