@@ -176,12 +176,8 @@ def test_a_killed_job_resumes_to_the_numbers_of_a_straight_job(straight, tmp_pat
     assert marker.exists() and set(_runs(out)) == {("plain", 0)}
     assert (out / "runs" / "mgr-competitive_seed0" / "last.ckpt").is_file()  # saved at the validation of step 4
     assert cli.main(["--config", str(config), "--out", str(out), "--resume"]) == 0
-    resumed, reference = _runs(out), _runs(straight[0])
-    assert set(resumed) == set(reference)
-    for key, run in resumed.items():
-        for field in ("final", "curve", "train_curve", "ablation_loss_increase", "init_fingerprint"):
-            assert run[field] == reference[key][field], (key, field)
-        assert run["resumed"] == (key == ("mgr-competitive", 0))
+    _assert_same_record(out, straight[0])  # the killed fit's events after its checkpoint (steps 5-7) are dropped
+    assert {key for key, run in _runs(out).items() if run["resumed"]} == {("mgr-competitive", 0)}
     assert not (out / "runs" / "mgr-competitive_seed0").exists()
     md = (out / "summary.md").read_text()
     assert "| mgr-competitive | 0 |" in md and "| yes |" in md

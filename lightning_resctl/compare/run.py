@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from .events import TrimEvents, event_files
 from .methods import PLAIN
 from .options import CompareOptions
 from .preemption import SigtermCheckpoint
@@ -110,8 +111,11 @@ def train_run(method: str, seed: int, reference: L.LightningModule, datamodule: 
     user_loggers = [] if user_loggers in (None, True, False) else (
         list(user_loggers) if isinstance(user_loggers, (list, tuple)) else [user_loggers])
     resume = ckpt.is_file()
-    if not resume:  # a run that starts over (stopped before its first save) logs its events afresh
-        shutil.rmtree(folder.tensorboard_dir() / method / f"seed{seed}", ignore_errors=True)
+    events = folder.tensorboard_dir() / method / f"seed{seed}"
+    if resume:  # what the stopped fit logged after its checkpoint is logged again: its earlier copy goes
+        callbacks.append(TrimEvents(event_files(events)))
+    else:  # a run that starts over (stopped before its first save) logs its events afresh
+        shutil.rmtree(events, ignore_errors=True)
     logger = TensorBoardLogger(save_dir=str(folder.tensorboard_dir()), name=method, version=f"seed{seed}",
                                default_hp_metric=False)
     kwargs.update(logger=[logger, *user_loggers], callbacks=callbacks, enable_progress_bar=False,
