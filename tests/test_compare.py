@@ -298,6 +298,36 @@ def test_a_resumed_job_records_what_the_straight_job_records(straight, tmp_path,
         assert cli.main(["--config", str(config), "--out", str(out)]) == 143
     assert cli.main(["--config", str(config), "--out", str(out), "--resume"]) == 0
     _assert_same_record(out, straight[0])
+    wall = sum(r["wall_s"] for r in _runs(out).values()) + json.loads((out / "cost.json").read_text())["wall_s"]
+    assert _total_wall_s(out) == round(wall)  # the runs' own times, a stopped fit's included
+
+
+def _total_wall_s(out: Path) -> float:
+    md = (out / "summary.md").read_text()
+    line = next(line for line in md.splitlines() if line.startswith("Total wall time:"))
+    return float(line.split(":", 1)[1].split(" s", 1)[0])
+
+
+def test_every_output_is_reproduced_from_the_folder_and_resuming_a_finished_job_changes_nothing(straight, tmp_path,
+                                                                                                  capsys):
+    """The total wall time is the sum of the runs' own times (and the cost measurement's), so the summary is a
+    function of the folder: --resume of a finished job rewrites every file byte for byte, says the job is finished,
+    and trains nothing."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(straight[0], out)
+    runs = _runs(out)
+    cost = json.loads((out / "cost.json").read_text())
+    assert _total_wall_s(out) == round(sum(r["wall_s"] for r in runs.values()) + cost["wall_s"])
+    before = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    capsys.readouterr()
+    assert cli.main(["--config", str(straight[0].parent / "job.yaml"), "--out", str(out), "--resume"]) == 0
+    said = capsys.readouterr().out
+    after = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert sorted(after) == sorted(before)
+    assert [name for name in before if after[name] != before[name]] == []
+    assert "all 6 runs of this job are finished" in said and "run 1/" not in said and "cost vs plain:" not in said
 
 
 _API_SCRIPT = """

@@ -239,9 +239,11 @@ class _Job:
                 last[0] = time.perf_counter()
                 progress.message(f"[resctl] cost vs plain: round {i}/{n}")
 
+        started = time.perf_counter()
         result = measure_cost(self.methods, reference, batches, options=opts.options, warmup=opts.cost_warmup,
                               device=self.device, precision=self.trainer_kwargs.get("precision", "32-true"),
                               gradient_clip_val=self.trainer_kwargs.get("gradient_clip_val"), on_round=on_round)
+        result["wall_s"] = time.perf_counter() - started  # part of the job's total wall time (see write_summary)
         if progress.enabled and progress.tty:
             progress.stream.write("\r" + " " * 60 + "\r")
         progress.message("[resctl] cost vs plain (step time, median and interquartile range): " + ", ".join(
@@ -316,6 +318,9 @@ class _Job:
         say(f"[resctl] methods {', '.join(self.methods)}; seeds {self.seeds}; "
             + (f"shard {opts.shard}: " if opts.shard else "") + f"{len(runs)} runs"
             + (f", {len(runs) - len(todo)} finished already (resume)" if len(todo) < len(runs) else ""))
+        if not todo:
+            say(f"[resctl] all {len(runs)} runs of this job are finished: nothing to train; the summary is written "
+                "again from the folder (the same files)")
         cost = self.cost(progress) if rank_zero else None
         with _warnings_once():
             for index, (method, seed) in enumerate(todo, 1):
@@ -335,8 +340,8 @@ class _Job:
             return SummaryTable([], "", {}, self.folder.path)
         manifest = self.folder.manifest() or {"fingerprint": "", "identity": identity, "about": about}
         table = write_summary(manifest, self.folder.records(), cost if cost is not None else self.folder.cost(),
-                              self.folder.path, total_wall_s=time.perf_counter() - started)
-        say(f"[resctl] done in {time.perf_counter() - started:.0f} s")
+                              self.folder.path)
+        say(f"[resctl] done: {time.perf_counter() - started:.0f} s in this process")
         say(f"[resctl] summary:     {self.folder.path / 'summary.md'}")
         if opts.shard:
             say("[resctl] this folder holds one shard: merge all shards' folders with "

@@ -142,7 +142,7 @@ def train_run(method: str, seed: int, reference: L.LightningModule, datamodule: 
         "final": recorder.final(), "curve": recorder.curve,
         "final_train_loss": recorder.final_train_loss(), "train_curve": recorder.train_losses,
         "steps": trainer.global_step, "train_time_s": recorder.train_time_s, "steps_timed": recorder.steps_timed,
-        "wall_s": wall, "resumed": resume,
+        "wall_s": recorder.earlier_wall_s + wall, "resumed": resume,
         "params": _count_params(model), "params_added": _count_params(model) - params_before,
         "sites": len(labels) or len(profile.get("stream_rms", []) or []),
         "branches": [_branch(lb) for lb in labels] or None,

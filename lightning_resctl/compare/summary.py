@@ -108,7 +108,7 @@ def _plots(runs_by_method: dict[str, list[dict]], out_dir: Path, monitor: str, n
     def save(fig, key):
         path = out_dir / PLOT_FILES[key]
         fig.savefig(path)
-        files[key] = str(path)
+        files[key] = path.name  # in the summary's folder: the record does not depend on where it lies
 
     curves = {m: SeedCurves.from_curves([r["curve"] for r in runs]) for m, runs in runs_by_method.items()}
     curves = {m: c for m, c in curves.items() if c.xs.size}
@@ -136,12 +136,15 @@ def _plots(runs_by_method: dict[str, list[dict]], out_dir: Path, monitor: str, n
 
 
 def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]], cost: Mapping[str, Any] | None,
-                  out_dir: str | Path, total_wall_s: float | None = None) -> SummaryTable:
+                  out_dir: str | Path) -> SummaryTable:
     """Aggregate run records into ``summary.md``, ``summary.json`` and PNG plots under ``out_dir``; returns the
     :class:`SummaryTable`.
 
     ``manifest``: the job's ``job.json`` (its identity: methods, seeds, mode; its ``about`` texts);
-    ``cost``: :func:`~lightning_resctl.compare.cost.measure_cost`'s result, or None when not measured."""
+    ``cost``: :func:`~lightning_resctl.compare.cost.measure_cost`'s result, or None when not measured.
+
+    Everything written is a function of these arguments, which the job's folder holds: the total wall time is the
+    sum of the runs' own times (a resumed run's includes its fits before the stop) and the cost measurement's."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ident = manifest["identity"]
@@ -323,15 +326,18 @@ def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]]
                   "attention merges with circles and MLP merges with squares.", ""]
         lines += [f"![{Path(f).stem}]({Path(f).name})" for f in files.values()] + [""]
     lines += ["TensorBoard logs: `tensorboard --logdir tb` (in this folder).", ""]
-    if total_wall_s is not None:
-        lines += [f"Total wall time: {total_wall_s:.0f} s.", ""]
+    run_wall = sum(r.get("wall_s") or 0.0 for r in done)
+    cost_wall = (cost or {}).get("wall_s") or 0.0
+    total_wall_s = run_wall + cost_wall
+    lines += [f"Total wall time: {total_wall_s:.0f} s (the {len(done)} runs' own times, {run_wall:.0f} s, "
+              f"and the cost measurement's, {cost_wall:.0f} s).", ""]
     markdown = "\n".join(lines)
     (out_dir / "summary.md").write_text(markdown)
-    files["summary_md"] = str(out_dir / "summary.md")
+    files["summary_md"] = "summary.md"
     summary = {"fingerprint": manifest["fingerprint"], "identity": ident, "about": about, "monitor": monitor,
                "mode": mode, "methods": per, "not_run": not_run, "missing": missing, "cost": cost,
                "runs": [{k: v for k, v in r.items() if k != "train_curve"} for r in records],
                "files": files, "total_wall_s": total_wall_s}
     (out_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=1, default=str))
-    files["summary_json"] = str(out_dir / "summary.json")
+    files["summary_json"] = "summary.json"
     return SummaryTable(rows, "\n".join(table), summary, out_dir)
