@@ -140,7 +140,7 @@ def test_python_api_runs_the_same_job_and_reports_refusals_and_false_identity(st
 
     monkeypatch.setitem(base._REGISTRY, "halved", base.RuleEntry("halved", Halved, (), Halved.description))
     monkeypatch.setitem(base._REGISTRY, "refuser", base.RuleEntry("refuser", Refuser, (), Refuser.description))
-    trainer = {**TRAINER, "devices": 1, "num_sanity_val_steps": 0, "enable_model_summary": False}
+    trainer = {**TRAINER, "devices": 1}  # the API chooses num_sanity_val_steps=0, enable_model_summary=False
     table = lightning_resctl.compare(
         model=lambda: ToyLM(dim=16, depth=3), datamodule=ToyData(train_size=80),
         methods=["plain", "mgr-competitive", "halved", "refuser"], seeds=1, trainer=trainer, out=tmp_path / "api",
@@ -159,6 +159,53 @@ def test_python_api_runs_the_same_job_and_reports_refusals_and_false_identity(st
     assert "method refuser refused" in md and "this rule refuses every model" in md
     assert "⚠ **halved** starts" in md and "identity at init" in md
     assert list(table.to_pandas().index) == ["plain", "mgr-competitive", "halved", "refuser"]
+    about = json.loads((tmp_path / "api" / "job.json").read_text())["about"]
+    assert about["trainer_chosen"] == {"num_sanity_val_steps": 0, "enable_model_summary": False}
+    assert "the job chose, as you did not set them: num_sanity_val_steps=0, enable_model_summary=False" in md
+
+
+def test_the_job_says_which_trainer_settings_it_chose_and_set(tmp_path, capsys):
+    """The Trainer settings the command line chooses when the user's do not set them (here gradient_clip_val,
+    num_sanity_val_steps, ...) and those the job sets for every run (its logger, callbacks, ...) are printed before
+    the first run and written to job.json and summary.md; the user's own values are not listed as chosen."""
+    config = _yaml(tmp_path / "job.yaml", methods=["plain"], seeds=1, cost_rounds=0, ablation=False)
+    raw = yaml.safe_load(config.read_text())
+    del raw["trainer"]["gradient_clip_val"]
+    raw["trainer"]["max_steps"] = 2
+    config.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert cli.main(["--config", str(config), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    before_runs = said.split("[resctl] run 1/1", 1)[0]
+    chosen = {"gradient_clip_val": 1.0, "devices": 1, "num_sanity_val_steps": 0, "enable_model_summary": False}
+    about = json.loads((out / "job.json").read_text())["about"]
+    assert about["trainer_chosen"] == chosen
+    assert set(about["trainer_set"]) == {"logger", "callbacks", "enable_progress_bar", "default_root_dir",
+                                         "enable_checkpointing"}
+    line = ("the job chose, as you did not set them: gradient_clip_val=1.0, devices=1, num_sanity_val_steps=0, "
+            "enable_model_summary=False")
+    assert line in before_runs and line in (out / "summary.md").read_text()
+    for key in about["trainer_set"]:
+        assert f"{key}: " in before_runs and f"{key}: " in (out / "summary.md").read_text()
+    assert "max_steps=2" not in line and "val_check_interval" not in line  # the user's own settings
+
+
+def test_a_method_list_without_plain_is_refused_naming_the_fix(tmp_path, capsys):
+    """Every figure compares a method with plain of the same seed: a list without plain is refused before anything
+    runs, by the command line (exit 2), its --help and the Python API, naming the list to give instead."""
+    config = _yaml(tmp_path / "job.yaml", methods=["mgr-competitive", "rescontroller"])
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--config", str(config), "--out", str(tmp_path / "out")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "methods must include plain" in err and "plain,mgr-competitive,rescontroller" in err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=r"methods must include plain.*\['plain', 'mgr-competitive'\]"):
+        lightning_resctl.compare(model=lambda: None, methods=["mgr-competitive"], out=tmp_path / "api")
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "must include plain" in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_killed_job_resumes_to_the_numbers_of_a_straight_job(straight, tmp_path):

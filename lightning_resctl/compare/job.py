@@ -16,7 +16,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
@@ -32,8 +32,8 @@ from .options import CompareOptions
 from .preemption import EXIT_SIGTERM, JobStopped, sigterm_stops_job
 from .progress import JobProgress, ProgressCallback
 from .records import JobFolder, planned_runs
-from .run import train_run
-from .summary import SummaryTable, write_summary
+from .run import job_trainer_settings, train_run
+from .summary import SummaryTable, describe_chosen, describe_set, write_summary
 
 __all__ = ["JobInputs", "run_job", "init_fingerprint", "module_identity", "stable"]
 
@@ -51,6 +51,8 @@ class JobInputs:
         identity: the model, data and Trainer settings as JSON-able values (part of the job's fingerprint); a
             ``"model": None`` entry is filled from the first seed's model (:func:`module_identity`).
         resume: how to resume the job, said when it stops on SIGTERM (the command line gives its exact command).
+        trainer_chosen: the Trainer settings the entry point chose because the user's did not set them (the command
+            line's and the API's defaults), said before the first run and written to job.json and summary.md.
     """
 
     make_model: Callable[[], L.LightningModule]
@@ -58,6 +60,7 @@ class JobInputs:
     make_trainer_kwargs: Callable[[], dict[str, Any]]
     identity: dict[str, Any]
     resume: str = "call lightning_resctl.compare again with the same arguments and resume=True"
+    trainer_chosen: dict[str, Any] = field(default_factory=dict)
 
 
 def stable(value: Any) -> Any:
@@ -307,7 +310,8 @@ class _Job:
         about = {"data": _describe_module(dm) if dm is not None else "the model's own dataloaders",
                  "model": f"{_describe_module(reference)}; {sum(p.numel() for p in reference.parameters()):,} "
                           "parameters",
-                 "trainer": _describe_trainer(self.trainer_kwargs)}
+                 "trainer": _describe_trainer(self.trainer_kwargs),
+                 "trainer_chosen": dict(self.inputs.trainer_chosen), "trainer_set": job_trainer_settings(opts)}
         if rank_zero:
             manifest = self.folder.manifest()
             manifest["about"] = about
@@ -315,6 +319,9 @@ class _Job:
         say(f"[resctl] data: {about['data']}")
         say(f"[resctl] model: {about['model']}")
         say(f"[resctl] trainer: {about['trainer']}")
+        if about["trainer_chosen"]:
+            say(f"[resctl] trainer: {describe_chosen(about['trainer_chosen'])}")
+        say(f"[resctl] trainer: {describe_set(about['trainer_set'])}")
         say(f"[resctl] methods {', '.join(self.methods)}; seeds {self.seeds}; "
             + (f"shard {opts.shard}: " if opts.shard else "") + f"{len(runs)} runs"
             + (f", {len(runs) - len(todo)} finished already (resume)" if len(todo) < len(runs) else ""))

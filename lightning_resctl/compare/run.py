@@ -19,10 +19,24 @@ from .preemption import SigtermCheckpoint
 from .recorder import RunRecorder
 from .records import JobFolder
 
-__all__ = ["train_run", "JOB_TRAINER_KEYS"]
+__all__ = ["train_run", "job_trainer_settings"]
 
-#: Trainer arguments the job sets for every run (the user's other settings are used as given).
-JOB_TRAINER_KEYS = ("logger", "enable_progress_bar", "default_root_dir")
+
+def job_trainer_settings(opts: CompareOptions) -> dict[str, str]:
+    """The Trainer arguments :func:`train_run` sets for every run, whatever the user's say, and what it sets them to
+    (the user's other settings are used as given)."""
+    settings = {
+        "logger": "a TensorBoardLogger in tb/<method>/seed<seed>, then yours",
+        "callbacks": "yours, with the job's: the run's recorder (first), ResidualControlCallback (the method), "
+                     + ("ResidualAblationCallback (at the last validation), " if opts.ablation else "")
+                     + "the progress line and the checkpoint on SIGTERM"
+                     + (", the periodic checkpoint" if opts.checkpoint_every_min is not None else ""),
+        "enable_progress_bar": "False (the job prints one progress line)",
+        "default_root_dir": "runs/<method>_seed<seed>",
+    }
+    if opts.checkpoint_every_min is not None:
+        settings["enable_checkpointing"] = f"True (the run's checkpoint, every {opts.checkpoint_every_min:g} min)"
+    return settings
 
 
 class RunCheckpoint(ModelCheckpoint):

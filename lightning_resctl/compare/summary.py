@@ -15,7 +15,7 @@ from .methods import PLAIN, describe_method
 from .records import _json_safe
 from .stats import describe, paired, verdict
 
-__all__ = ["SummaryTable", "write_summary"]
+__all__ = ["SummaryTable", "write_summary", "describe_chosen", "describe_set"]
 
 PLOT_FILES = {"val_png": "val_metric.png", "stream_rms_png": "stream_rms_depth.png",
               "update_ratio_png": "update_ratio_depth.png", "ablation_png": "ablation_depth.png"}
@@ -65,6 +65,16 @@ class SummaryTable:
         import pandas as pd
 
         return pd.DataFrame(self.rows, columns=list(self.columns)).set_index("method")
+
+
+def describe_chosen(chosen: Mapping[str, Any]) -> str:
+    """The Trainer settings the job chose for the user (job.json's ``about.trainer_chosen``), in words."""
+    return "the job chose, as you did not set them: " + ", ".join(f"{k}={v}" for k, v in chosen.items())
+
+
+def describe_set(settings: Mapping[str, str]) -> str:
+    """The Trainer settings the job sets for every run (job.json's ``about.trainer_set``), in words."""
+    return "the job sets for every run: " + "; ".join(f"{k}: {v}" for k, v in settings.items())
 
 
 def _fmt(stats: Mapping[str, float], digits: int = 4) -> str:
@@ -222,6 +232,10 @@ def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]]
     for key, label in (("data", "Data"), ("model", "Model"), ("trainer", "Trainer")):
         if about.get(key):
             lines.append(f"{label}: {about[key]}.")
+    if about.get("trainer_chosen"):
+        lines.append(f"Trainer: {describe_chosen(about['trainer_chosen'])}.")
+    if about.get("trainer_set"):
+        lines.append(f"Trainer: {describe_set(about['trainer_set'])}.")
     lines += ["", f"Compared: `{monitor}` at the last validation ({direction}). Seeds {seeds}: for each seed every "
               "method starts from the same initial weights of the unmodified model and sees the same batches in the "
               "same order, with the same optimizer and Trainer settings; the method is applied by "
