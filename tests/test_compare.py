@@ -705,6 +705,44 @@ def test_summary_says_when_a_cost_ratio_is_unreliable(tmp_path):
     assert "cost ratios of a are unreliable" in md and "one seed only" in md
 
 
+#: matplotlib marker codes in words (matplotlib's own names, not the package's)
+MARKER_WORDS = {"o": "circle", "s": "square", "^": "triangle", "D": "diamond", ".": "dot", "v": "triangle"}
+
+
+@pytest.mark.parametrize("branches", [["mlp", "mlp", "mlp"], ["attn", "mlp", "attn", "mlp"], None])
+def test_the_summary_names_the_markers_the_depth_plots_draw(tmp_path, monkeypatch, branches):
+    """The sentence of summary.md about the depth plots' markers names the markers the figures draw (read from the
+    figure objects), and no other: MLP-only models get squares, attention and MLP circles and squares, a model
+    whose merges' sub-layers are unknown dots."""
+    from lightning_resctl.compare import plots
+    from lightning_resctl.compare.summary import write_summary
+
+    figures = []
+    original = plots.band_figure
+
+    def capture(*args, **kwargs):
+        fig = original(*args, **kwargs)
+        figures.append((kwargs["title"], fig))
+        return fig
+
+    monkeypatch.setattr(plots, "band_figure", capture)
+    depth = len(branches) if branches else 3
+    manifest = {"fingerprint": "x", "identity": {"compare": {"methods": ["plain", "a"], "first_seed": 0, "seeds": 1,
+                                                              "mode": "min", "monitor": None}}}
+    rec = {"status": "done", "seed": 0, "monitor": "val_loss", "final": 1.0, "curve": [[1, 1.0]],
+           "final_train_loss": 1.0, "steps": 1, "params_added": 0, "sites": depth, "branches": branches,
+           "depth_profile": {"stream_rms": [1.0 + d for d in range(depth)]},
+           "init_difference": {"output": 0.0, "grad_norm": 0.0}}
+    write_summary(manifest, [{**rec, "method": "plain"}, {**rec, "method": "a", "final": 0.9}], None, tmp_path)
+    fig = next(fig for title, fig in figures if title.startswith("stream RMS vs depth"))
+    drawn = {line.get_marker() for line in fig.axes[0].lines if line.get_linestyle() == "None"}
+    words = {MARKER_WORDS[m] for m in drawn}
+    assert words == ({"square"} if branches == ["mlp"] * 3 else {"circle", "square"} if branches else {"dot"})
+    sentence = next(line for line in (tmp_path / "summary.md").read_text().splitlines() if "Depth plots" in line)
+    for word in set(MARKER_WORDS.values()):
+        assert (word in sentence) == (word in words), (word, sentence)
+
+
 # --- data ----------------------------------------------------------------------------------------------------
 
 def test_corpus_split_by_file_named_without_machine_paths(tmp_path):

@@ -17,6 +17,7 @@ from .stats import describe, paired, verdict
 
 __all__ = ["SummaryTable", "write_summary", "describe_chosen", "describe_set"]
 
+DEPTH_PLOTS = ("stream_rms_png", "update_ratio_png", "ablation_png")
 PLOT_FILES = {"val_png": "val_metric.png", "stream_rms_png": "stream_rms_depth.png",
               "update_ratio_png": "update_ratio_depth.png", "ablation_png": "ablation_depth.png"}
 
@@ -109,10 +110,20 @@ def _cost_cell(cost: Mapping[str, Any] | None, m: str) -> str:
 
 
 def _plots(runs_by_method: dict[str, list[dict]], out_dir: Path, monitor: str, n_seeds: int,
-           branches: list[str] | None) -> dict[str, str]:
-    from .plots import SeedCurves, band_figure
+           branches: list[str] | None) -> tuple[dict[str, str], dict[str, str]]:
+    """The PNG plots (``{key: file name}``) and the markers their depth plots draw (``{kind: marker}``, see
+    :func:`~.plots.depth_markers`)."""
+    from . import plots
+    from .plots import SeedCurves
 
     files: dict[str, str] = {}
+    markers: dict[str, str] = {}
+
+    def band_figure(bands, **kwargs):
+        if kwargs.get("depth_axis"):
+            for band in bands.values():
+                markers.update(plots.depth_markers(branches, band.xs.size))
+        return plots.band_figure(bands, **kwargs)
     note = f"mean of {n_seeds} seed(s)" + (", band: range over seeds" if n_seeds > 1 else "")
 
     def save(fig, key):
@@ -142,7 +153,7 @@ def _plots(runs_by_method: dict[str, list[dict]], out_dir: Path, monitor: str, n
         save(band_figure(bands, xlabel="merge depth skipped", ylabel="validation loss increase",
                          title=f"ablation: loss increase when one merge's update is skipped ({note})",
                          depth_axis=True, branches=branches), "ablation_png")
-    return files
+    return files, markers
 
 
 def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]], cost: Mapping[str, Any] | None,
@@ -224,7 +235,8 @@ def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]]
     unmatched = sorted(s for s, fps in by_seed.items() if len(fps) > 1)
 
     branches = next((p["branches"] for p in per.values() if p["branches"]), None)
-    files = _plots(runs_by_method, out_dir, monitor, len(seeds), branches)
+    files, markers = _plots(runs_by_method, out_dir, monitor, len(seeds), branches)
+    from .plots import describe_markers  # matplotlib: imported when plotting, as _plots does
 
     # --- summary.md --------------------------------------------------------------------------
     direction = "lower is better" if mode == "min" else "higher is better"
@@ -336,8 +348,8 @@ def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]]
               "(ResidualControlCallback's `stream_rms`, last logged step, mean over seeds). For multi-stream rules the "
               "stream is what the model's own code sees between merges (per-stream values are in TensorBoard).", ""]
     if files:
-        lines += ["## Plots", "", "Lines: mean over seeds; shaded band: lowest to highest seed. Depth plots mark "
-                  "attention merges with circles and MLP merges with squares.", ""]
+        lines += ["## Plots", "", "Lines: mean over seeds; shaded band: lowest to highest seed."
+                  + (f" {describe_markers(markers)}" if any(k in files for k in DEPTH_PLOTS) else ""), ""]
         lines += [f"![{Path(f).stem}]({Path(f).name})" for f in files.values()] + [""]
     lines += ["TensorBoard logs: `tensorboard --logdir tb` (in this folder).", ""]
     run_wall = sum(r.get("wall_s") or 0.0 for r in done)
