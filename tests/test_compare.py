@@ -140,7 +140,7 @@ def test_python_api_runs_the_same_job_and_reports_refusals_and_false_identity(st
 
     monkeypatch.setitem(base._REGISTRY, "halved", base.RuleEntry("halved", Halved, (), Halved.description))
     monkeypatch.setitem(base._REGISTRY, "refuser", base.RuleEntry("refuser", Refuser, (), Refuser.description))
-    trainer = {**TRAINER, "devices": 1, "num_sanity_val_steps": 0, "enable_model_summary": False}
+    trainer = {**TRAINER, "devices": 1}  # the API chooses num_sanity_val_steps=0, enable_model_summary=False
     table = lightning_resctl.compare(
         model=lambda: ToyLM(dim=16, depth=3), datamodule=ToyData(train_size=80),
         methods=["plain", "mgr-competitive", "halved", "refuser"], seeds=1, trainer=trainer, out=tmp_path / "api",
@@ -159,6 +159,53 @@ def test_python_api_runs_the_same_job_and_reports_refusals_and_false_identity(st
     assert "method refuser refused" in md and "this rule refuses every model" in md
     assert "⚠ **halved** starts" in md and "identity at init" in md
     assert list(table.to_pandas().index) == ["plain", "mgr-competitive", "halved", "refuser"]
+    about = json.loads((tmp_path / "api" / "job.json").read_text())["about"]
+    assert about["trainer_chosen"] == {"num_sanity_val_steps": 0, "enable_model_summary": False}
+    assert "the job chose, as you did not set them: num_sanity_val_steps=0, enable_model_summary=False" in md
+
+
+def test_the_job_says_which_trainer_settings_it_chose_and_set(tmp_path, capsys):
+    """The Trainer settings the command line chooses when the user's do not set them (here gradient_clip_val,
+    num_sanity_val_steps, ...) and those the job sets for every run (its logger, callbacks, ...) are printed before
+    the first run and written to job.json and summary.md; the user's own values are not listed as chosen."""
+    config = _yaml(tmp_path / "job.yaml", methods=["plain"], seeds=1, cost_rounds=0, ablation=False)
+    raw = yaml.safe_load(config.read_text())
+    del raw["trainer"]["gradient_clip_val"]
+    raw["trainer"]["max_steps"] = 2
+    config.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert cli.main(["--config", str(config), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    before_runs = said.split("[resctl] run 1/1", 1)[0]
+    chosen = {"gradient_clip_val": 1.0, "devices": 1, "num_sanity_val_steps": 0, "enable_model_summary": False}
+    about = json.loads((out / "job.json").read_text())["about"]
+    assert about["trainer_chosen"] == chosen
+    assert set(about["trainer_set"]) == {"logger", "callbacks", "enable_progress_bar", "default_root_dir",
+                                         "enable_checkpointing"}
+    line = ("the job chose, as you did not set them: gradient_clip_val=1.0, devices=1, num_sanity_val_steps=0, "
+            "enable_model_summary=False")
+    assert line in before_runs and line in (out / "summary.md").read_text()
+    for key in about["trainer_set"]:
+        assert f"{key}: " in before_runs and f"{key}: " in (out / "summary.md").read_text()
+    assert "max_steps=2" not in line and "val_check_interval" not in line  # the user's own settings
+
+
+def test_a_method_list_without_plain_is_refused_naming_the_fix(tmp_path, capsys):
+    """Every figure compares a method with plain of the same seed: a list without plain is refused before anything
+    runs, by the command line (exit 2), its --help and the Python API, naming the list to give instead."""
+    config = _yaml(tmp_path / "job.yaml", methods=["mgr-competitive", "rescontroller"])
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--config", str(config), "--out", str(tmp_path / "out")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "methods must include plain" in err and "plain,mgr-competitive,rescontroller" in err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=r"methods must include plain.*\['plain', 'mgr-competitive'\]"):
+        lightning_resctl.compare(model=lambda: None, methods=["mgr-competitive"], out=tmp_path / "api")
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "must include plain" in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_killed_job_resumes_to_the_numbers_of_a_straight_job(straight, tmp_path):
@@ -176,12 +223,8 @@ def test_a_killed_job_resumes_to_the_numbers_of_a_straight_job(straight, tmp_pat
     assert marker.exists() and set(_runs(out)) == {("plain", 0)}
     assert (out / "runs" / "mgr-competitive_seed0" / "last.ckpt").is_file()  # saved at the validation of step 4
     assert cli.main(["--config", str(config), "--out", str(out), "--resume"]) == 0
-    resumed, reference = _runs(out), _runs(straight[0])
-    assert set(resumed) == set(reference)
-    for key, run in resumed.items():
-        for field in ("final", "curve", "train_curve", "ablation_loss_increase", "init_fingerprint"):
-            assert run[field] == reference[key][field], (key, field)
-        assert run["resumed"] == (key == ("mgr-competitive", 0))
+    _assert_same_record(out, straight[0])  # the killed fit's events after its checkpoint (steps 5-7) are dropped
+    assert {key for key, run in _runs(out).items() if run["resumed"]} == {("mgr-competitive", 0)}
     assert not (out / "runs" / "mgr-competitive_seed0").exists()
     md = (out / "summary.md").read_text()
     assert "| mgr-competitive | 0 |" in md and "| yes |" in md
@@ -222,6 +265,116 @@ def test_a_sigterm_job_saves_its_run_says_how_to_resume_and_exits_143(straight, 
         for field in ("final", "curve", "train_curve", "ablation_loss_increase", "init_fingerprint"):
             assert run[field] == reference[key][field], (key, field)
         assert run["resumed"] == (key == ("mgr-competitive", 0) and where != "setup")
+
+
+#: what a resumed job may legitimately record differently from a straight one: wall-clock figures (the run's and the
+#: job's times, the timed step count, which leaves out the interval across the stop) and whether the run was resumed
+TIMING_FIELDS = ("wall_s", "train_time_s", "steps_timed", "resumed")
+
+
+def _tensorboard(out: Path) -> dict[str, list[tuple]]:
+    """Every event the job logged to TensorBoard: ``{"method/seedN": sorted [(kind, tag, step, value), ...]}``."""
+    from tbparse import SummaryReader
+
+    record = {}
+    for run in sorted(p for p in (out / "tb").glob("*/seed*") if p.is_dir()):
+        reader = SummaryReader(str(run))
+        events = []
+        for kind in ("scalars", "histograms", "text", "tensors"):
+            frame = getattr(reader, kind)
+            for row in frame.to_dict("records"):
+                tag, step = row.pop("tag"), int(row.pop("step"))
+                events.append((kind, tag, step, repr(sorted((k, repr(v)) for k, v in row.items()))))
+        record[f"{run.parent.name}/{run.name}"] = sorted(events)
+    return record
+
+
+def _assert_same_record(out: Path, reference: Path) -> None:
+    """``out`` holds the record of the job in ``reference``: every TensorBoard event (tag, step, value), every field
+    of every run record, the summary's figures, except :data:`TIMING_FIELDS` and the cost column (a timing)."""
+    got, want = _tensorboard(out), _tensorboard(reference)
+    assert set(got) == set(want)
+    for run in want:
+        assert got[run] == want[run], (run, sorted(set(got[run]) ^ set(want[run]))[:6])
+    runs, reference_runs = _runs(out), _runs(reference)
+    assert set(runs) == set(reference_runs)
+    for key, run in runs.items():
+        for field in set(run) | set(reference_runs[key]):
+            if field not in TIMING_FIELDS:
+                assert run.get(field) == reference_runs[key].get(field), (key, field)
+    summary, reference_summary = (json.loads((d / "summary.json").read_text()) for d in (out, reference))
+    for m, figures in reference_summary["methods"].items():
+        assert {k: v for k, v in summary["methods"][m].items() if k != "cost"} == {
+            k: v for k, v in figures.items() if k != "cost"}, m
+
+
+def _term_on_call(monkeypatch, owner, name: str, call: int) -> None:
+    """SIGTERM this process just before the ``call``-th call of ``owner.name`` (once)."""
+    original, calls = getattr(owner, name), []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+@pytest.mark.parametrize("where", ["train", "validation", "between runs", "summary"])
+def test_a_resumed_job_records_what_the_straight_job_records(straight, tmp_path, monkeypatch, where):
+    """SIGTERM during a training step or a validation of the second run (a patched model, mid-epoch), between two
+    runs, or while the summary is written; then --resume. The folder ends with the straight job's record: the same
+    TensorBoard events (every tag, step and value), run records, diagnostics and summary figures."""
+    import compare_toy
+    from lightning_resctl.compare import plots, records
+
+    marker, out = tmp_path / "terminated", tmp_path / "out"
+    callbacks = []
+    if where in ("train", "validation"):
+        compare_toy.TermOnce.fits = 0
+        callbacks = [{"class_path": "compare_toy.TermOnce",
+                      "init_args": {"step": 6 if where == "train" else 8, "marker": str(marker), "run": 2,
+                                    "where": where}}]
+    config = _yaml(tmp_path / "job.yaml", checkpoint_every_min=60, callbacks=callbacks)
+    with monkeypatch.context() as patch:
+        if where == "between runs":
+            _term_on_call(patch, records.JobFolder, "write_record", 3)  # after the third run, before its record
+        elif where == "summary":
+            _term_on_call(patch, plots, "band_figure", 2)
+        assert cli.main(["--config", str(config), "--out", str(out)]) == 143
+    assert cli.main(["--config", str(config), "--out", str(out), "--resume"]) == 0
+    _assert_same_record(out, straight[0])
+    wall = sum(r["wall_s"] for r in _runs(out).values()) + json.loads((out / "cost.json").read_text())["wall_s"]
+    assert _total_wall_s(out) == round(wall)  # the runs' own times, a stopped fit's included
+
+
+def _total_wall_s(out: Path) -> float:
+    md = (out / "summary.md").read_text()
+    line = next(line for line in md.splitlines() if line.startswith("Total wall time:"))
+    return float(line.split(":", 1)[1].split(" s", 1)[0])
+
+
+def test_every_output_is_reproduced_from_the_folder_and_resuming_a_finished_job_changes_nothing(straight, tmp_path,
+                                                                                                  capsys):
+    """The total wall time is the sum of the runs' own times (and the cost measurement's), so the summary is a
+    function of the folder: --resume of a finished job rewrites every file byte for byte, says the job is finished,
+    and trains nothing."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(straight[0], out)
+    runs = _runs(out)
+    cost = json.loads((out / "cost.json").read_text())
+    assert _total_wall_s(out) == round(sum(r["wall_s"] for r in runs.values()) + cost["wall_s"])
+    before = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    capsys.readouterr()
+    assert cli.main(["--config", str(straight[0].parent / "job.yaml"), "--out", str(out), "--resume"]) == 0
+    said = capsys.readouterr().out
+    after = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert sorted(after) == sorted(before)
+    assert [name for name in before if after[name] != before[name]] == []
+    assert "all 6 runs of this job are finished" in said and "run 1/" not in said and "cost vs plain:" not in said
 
 
 _API_SCRIPT = """
@@ -550,6 +703,44 @@ def test_summary_says_when_a_cost_ratio_is_unreliable(tmp_path):
     md = (tmp_path / "summary.md").read_text()
     assert "| a | 0.9000 |" in md and "1.40x (0.90-2.50) unreliable" in md
     assert "cost ratios of a are unreliable" in md and "one seed only" in md
+
+
+#: matplotlib marker codes in words (matplotlib's own names, not the package's)
+MARKER_WORDS = {"o": "circle", "s": "square", "^": "triangle", "D": "diamond", ".": "dot", "v": "triangle"}
+
+
+@pytest.mark.parametrize("branches", [["mlp", "mlp", "mlp"], ["attn", "mlp", "attn", "mlp"], None])
+def test_the_summary_names_the_markers_the_depth_plots_draw(tmp_path, monkeypatch, branches):
+    """The sentence of summary.md about the depth plots' markers names the markers the figures draw (read from the
+    figure objects), and no other: MLP-only models get squares, attention and MLP circles and squares, a model
+    whose merges' sub-layers are unknown dots."""
+    from lightning_resctl.compare import plots
+    from lightning_resctl.compare.summary import write_summary
+
+    figures = []
+    original = plots.band_figure
+
+    def capture(*args, **kwargs):
+        fig = original(*args, **kwargs)
+        figures.append((kwargs["title"], fig))
+        return fig
+
+    monkeypatch.setattr(plots, "band_figure", capture)
+    depth = len(branches) if branches else 3
+    manifest = {"fingerprint": "x", "identity": {"compare": {"methods": ["plain", "a"], "first_seed": 0, "seeds": 1,
+                                                              "mode": "min", "monitor": None}}}
+    rec = {"status": "done", "seed": 0, "monitor": "val_loss", "final": 1.0, "curve": [[1, 1.0]],
+           "final_train_loss": 1.0, "steps": 1, "params_added": 0, "sites": depth, "branches": branches,
+           "depth_profile": {"stream_rms": [1.0 + d for d in range(depth)]},
+           "init_difference": {"output": 0.0, "grad_norm": 0.0}}
+    write_summary(manifest, [{**rec, "method": "plain"}, {**rec, "method": "a", "final": 0.9}], None, tmp_path)
+    fig = next(fig for title, fig in figures if title.startswith("stream RMS vs depth"))
+    drawn = {line.get_marker() for line in fig.axes[0].lines if line.get_linestyle() == "None"}
+    words = {MARKER_WORDS[m] for m in drawn}
+    assert words == ({"square"} if branches == ["mlp"] * 3 else {"circle", "square"} if branches else {"dot"})
+    sentence = next(line for line in (tmp_path / "summary.md").read_text().splitlines() if "Depth plots" in line)
+    for word in set(MARKER_WORDS.values()):
+        assert (word in sentence) == (word in words), (word, sentence)
 
 
 # --- data ----------------------------------------------------------------------------------------------------

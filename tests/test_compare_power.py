@@ -35,7 +35,24 @@ def test_two_seeds_still_say_what_they_could_have_detected():
     assert pair["detectable"] == pytest.approx((12.706 + 1.376) * sd / math.sqrt(2), rel=2e-3)
     assert pair["seeds_needed"] is None  # a zero mean difference: no number of seeds shows it
     text = verdict(describe([1.0, 1.02]), describe([1.01, 1.01]), pair, "val_loss", "min")
-    assert "no difference shown" in text and "none smaller could have been shown" in text
+    assert "no difference shown" in text and "measured mean difference is 0" in text
+
+
+@pytest.mark.parametrize("method, below", [({0: 1.99, 1: 1.95}, True), ({0: 1.5, 1: 1.5}, False)])
+def test_the_detectable_difference_is_stated_beside_the_measured_one_and_the_verdicts_basis(method, below):
+    """Better in 2 of 2 seeds and a detectable difference larger than the measured one do not contradict each
+    other once both numbers and what each rests on are said: the sentence gives the measured mean difference, the
+    detectable one, which is larger, and that the count of better seeds is a count, not the test."""
+    plain = {0: 2.0, 1: 2.0}
+    pair = paired(method, plain, "min")
+    assert pair["better"] == 2
+    text = verdict(describe(method.values()), describe(plain.values()), pair, "val_loss", "min")
+    power = text.split("What these seeds can detect:", 1)[1]
+    assert f"{pair['mean']:+.4f}" in power and f"{pair['detectable']:.4f}" in power
+    assert "lower in 2 of 2 seeds" in power and "a count, not a test" in power
+    assert (abs(pair["mean"]) < pair["detectable"]) == below
+    assert ("smaller than" if below else "at least as large as") + " the detectable difference" in power
+    assert "none smaller could have been shown" not in text
 
 
 def test_one_seed_has_no_detectable_difference():

@@ -31,6 +31,7 @@ Modules, one job each:
 * :mod:`.cost` — the interleaved "cost vs plain" measurement;
 * :mod:`.records` — the output folder, run records, merging folders;
 * :mod:`.preemption` — SIGTERM: the run in progress saves its checkpoint, the job says how to resume, exit 143;
+* :mod:`.events` — a resumed run's TensorBoard events: what the stopped fit logged after its checkpoint is dropped;
 * :mod:`.stats`, :mod:`.summary`, :mod:`.plots` — paired statistics, verdicts, ``summary.md`` and plots;
 * :mod:`.progress` — the job's single progress line with its ETA;
 * :mod:`.gpt`, :mod:`.data` — the built-in model and data.

@@ -97,7 +97,8 @@ def compare(model: Any = None, datamodule: Any = None, *, methods: Sequence[str]
 
     probe_dm = make_data()
     identity = {"model": None, "data": module_identity(probe_dm), "trainer": stable(trainer_kwargs)}
-    inputs = JobInputs(make_model, make_data, make_trainer_kwargs, identity)
+    chosen = {k: v for k, v in API_TRAINER_DEFAULTS.items() if k not in dict(trainer or {})}
+    inputs = JobInputs(make_model, make_data, make_trainer_kwargs, identity, trainer_chosen=chosen)
     opts = CompareOptions(methods=methods, seeds=seeds, out=str(out), **options)
     return run_job(inputs, opts)
 

@@ -81,24 +81,39 @@ def _methods(value: Any) -> list[str]:
     return [str(m) for m in value]
 
 
-def _given(args: Sequence[str], key: str) -> bool:
-    """Whether ``args`` choose a class for ``key`` (``--model CLASS``, ``--model=CLASS``, or a ``--config`` file with
-    a ``model:`` entry)."""
+def _configs(args: Sequence[str]) -> list[dict]:
+    """The mappings of the ``--config`` files ``args`` name (those that cannot be read are the parser's to report)."""
     import yaml
 
+    found = []
     for i, arg in enumerate(args):
-        if arg == f"--{key}" or arg.startswith(f"--{key}="):
-            return True
         path = args[i + 1] if arg in ("-c", "--config") and i + 1 < len(args) else (
             arg.split("=", 1)[1] if arg.startswith("--config=") else None)
         if path is not None and Path(path).is_file():
             try:
                 loaded = yaml.safe_load(Path(path).read_text())
             except yaml.YAMLError:
-                continue  # the parser reports it
-            if isinstance(loaded, dict) and loaded.get(key) is not None:
-                return True
-    return False
+                continue
+            if isinstance(loaded, dict):
+                found.append(loaded)
+    return found
+
+
+def _given(args: Sequence[str], key: str) -> bool:
+    """Whether ``args`` choose a class for ``key`` (``--model CLASS``, ``--model=CLASS``, or a ``--config`` file with
+    a ``model:`` entry)."""
+    if any(arg == f"--{key}" or arg.startswith(f"--{key}=") for arg in args):
+        return True
+    return any(config.get(key) is not None for config in _configs(args))
+
+
+def _trainer_keys_given(args: Sequence[str]) -> set[str]:
+    """The Trainer arguments ``args`` set: ``--trainer.KEY`` flags and the ``trainer:`` sections of config files."""
+    keys = {arg[len("--trainer."):].split("=", 1)[0] for arg in args if arg.startswith("--trainer.")}
+    for config in _configs(args):
+        if isinstance(config.get("trainer"), dict):
+            keys.update(config["trainer"])
+    return {key.split(".", 1)[0].rstrip("+") for key in keys}
 
 
 class CompareCLI(LightningCLI):
@@ -130,6 +145,7 @@ class CompareCLI(LightningCLI):
         than set in the parser: jsonargparse keeps a default class's init args that a new class also accepts, which
         would hand the built-in model's ``lr`` or ``dropout`` to the user's model.)"""
         args = list(sys.argv[1:] if args is None else args)
+        self.trainer_chosen = {k: v for k, v in TRAINER_DEFAULTS.items() if k not in _trainer_keys_given(args)}
         if not _given(args, "model"):
             args = ["--model", DEFAULT_MODEL, *([] if _given(args, "data") else ["--data", DEFAULT_DATA]), *args]
         self.config = parser.parse_args(args)
@@ -176,7 +192,8 @@ class CompareCLI(LightningCLI):
             return self._instantiate("data") if self.config.get("data") is not None else None
 
         identity = {key: dumped.get(key) for key in ("model", "data", "trainer")}
-        return job.JobInputs(lambda: self._instantiate("model"), datamodule, trainer_kwargs, identity)
+        return job.JobInputs(lambda: self._instantiate("model"), datamodule, trainer_kwargs, identity,
+                             trainer_chosen=self.trainer_chosen)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

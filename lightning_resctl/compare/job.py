@@ -16,7 +16,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
@@ -32,8 +32,8 @@ from .options import CompareOptions
 from .preemption import EXIT_SIGTERM, JobStopped, sigterm_stops_job
 from .progress import JobProgress, ProgressCallback
 from .records import JobFolder, planned_runs
-from .run import train_run
-from .summary import SummaryTable, write_summary
+from .run import job_trainer_settings, train_run
+from .summary import SummaryTable, describe_chosen, describe_set, write_summary
 
 __all__ = ["JobInputs", "run_job", "init_fingerprint", "module_identity", "stable"]
 
@@ -51,6 +51,8 @@ class JobInputs:
         identity: the model, data and Trainer settings as JSON-able values (part of the job's fingerprint); a
             ``"model": None`` entry is filled from the first seed's model (:func:`module_identity`).
         resume: how to resume the job, said when it stops on SIGTERM (the command line gives its exact command).
+        trainer_chosen: the Trainer settings the entry point chose because the user's did not set them (the command
+            line's and the API's defaults), said before the first run and written to job.json and summary.md.
     """
 
     make_model: Callable[[], L.LightningModule]
@@ -58,6 +60,7 @@ class JobInputs:
     make_trainer_kwargs: Callable[[], dict[str, Any]]
     identity: dict[str, Any]
     resume: str = "call lightning_resctl.compare again with the same arguments and resume=True"
+    trainer_chosen: dict[str, Any] = field(default_factory=dict)
 
 
 def stable(value: Any) -> Any:
@@ -239,9 +242,11 @@ class _Job:
                 last[0] = time.perf_counter()
                 progress.message(f"[resctl] cost vs plain: round {i}/{n}")
 
+        started = time.perf_counter()
         result = measure_cost(self.methods, reference, batches, options=opts.options, warmup=opts.cost_warmup,
                               device=self.device, precision=self.trainer_kwargs.get("precision", "32-true"),
                               gradient_clip_val=self.trainer_kwargs.get("gradient_clip_val"), on_round=on_round)
+        result["wall_s"] = time.perf_counter() - started  # part of the job's total wall time (see write_summary)
         if progress.enabled and progress.tty:
             progress.stream.write("\r" + " " * 60 + "\r")
         progress.message("[resctl] cost vs plain (step time, median and interquartile range): " + ", ".join(
@@ -305,7 +310,8 @@ class _Job:
         about = {"data": _describe_module(dm) if dm is not None else "the model's own dataloaders",
                  "model": f"{_describe_module(reference)}; {sum(p.numel() for p in reference.parameters()):,} "
                           "parameters",
-                 "trainer": _describe_trainer(self.trainer_kwargs)}
+                 "trainer": _describe_trainer(self.trainer_kwargs),
+                 "trainer_chosen": dict(self.inputs.trainer_chosen), "trainer_set": job_trainer_settings(opts)}
         if rank_zero:
             manifest = self.folder.manifest()
             manifest["about"] = about
@@ -313,9 +319,15 @@ class _Job:
         say(f"[resctl] data: {about['data']}")
         say(f"[resctl] model: {about['model']}")
         say(f"[resctl] trainer: {about['trainer']}")
+        if about["trainer_chosen"]:
+            say(f"[resctl] trainer: {describe_chosen(about['trainer_chosen'])}")
+        say(f"[resctl] trainer: {describe_set(about['trainer_set'])}")
         say(f"[resctl] methods {', '.join(self.methods)}; seeds {self.seeds}; "
             + (f"shard {opts.shard}: " if opts.shard else "") + f"{len(runs)} runs"
             + (f", {len(runs) - len(todo)} finished already (resume)" if len(todo) < len(runs) else ""))
+        if not todo:
+            say(f"[resctl] all {len(runs)} runs of this job are finished: nothing to train; the summary is written "
+                "again from the folder (the same files)")
         cost = self.cost(progress) if rank_zero else None
         with _warnings_once():
             for index, (method, seed) in enumerate(todo, 1):
@@ -335,8 +347,8 @@ class _Job:
             return SummaryTable([], "", {}, self.folder.path)
         manifest = self.folder.manifest() or {"fingerprint": "", "identity": identity, "about": about}
         table = write_summary(manifest, self.folder.records(), cost if cost is not None else self.folder.cost(),
-                              self.folder.path, total_wall_s=time.perf_counter() - started)
-        say(f"[resctl] done in {time.perf_counter() - started:.0f} s")
+                              self.folder.path)
+        say(f"[resctl] done: {time.perf_counter() - started:.0f} s in this process")
         say(f"[resctl] summary:     {self.folder.path / 'summary.md'}")
         if opts.shard:
             say("[resctl] this folder holds one shard: merge all shards' folders with "

@@ -10,14 +10,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from .methods import check_method_options, resolve_methods
+from .methods import PLAIN, check_method_options, resolve_methods
 
 __all__ = ["CompareOptions", "HELP", "parse_shard"]
 
 #: The help text of every option (the command line's ``--help``).
 HELP = {
-    "methods": "methods to compare, a list or comma-separated: plain (the model unpatched) or any registered merge "
-               "rule (default: the preset's, else plain,rescontroller,mgr-independent,mgr-competitive)",
+    "methods": "list or comma-separated; must include plain (the unpatched model all figures compare with), then "
+               "merge rules (default: the preset's, else plain,rescontroller,mgr-independent,mgr-competitive)",
     "preset": "a named method set used when methods is not given: quick or paper",
     "seeds": "number of seeds; for each seed every method starts from the same initial weights and data order",
     "first_seed": "first seed",
@@ -97,6 +97,11 @@ class CompareOptions:
     def validate(self) -> "CompareOptions":
         """Raise ValueError naming the option and its value when something is wrong; returns self."""
         methods = self.method_list()
+        if PLAIN not in methods:
+            fixed = [PLAIN, *methods]
+            raise ValueError(f"methods must include plain (the model unpatched): every figure of the job compares a "
+                             f"method with plain of the same seed; got {methods}, give {fixed} "
+                             f"(--methods {','.join(fixed)})")
         self.options = check_method_options(self.options, methods)
         for name, minimum in (("seeds", 1), ("first_seed", 0), ("cost_rounds", 0), ("cost_warmup", 0),
                               ("ablation_batches", 1)):

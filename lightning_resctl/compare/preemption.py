@@ -48,6 +48,7 @@ class SigtermCheckpoint(Callback):
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._deferred = False
+        self._validated_at: int | None = None  # the global step of the fit's last validation
 
     @staticmethod
     def _connector(trainer):
@@ -60,6 +61,8 @@ class SigtermCheckpoint(Callback):
             connector.received_sigterm, self._deferred = False, True
 
     def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self._validated_at = trainer.global_step
         connector = self._connector(trainer)
         if self._deferred and connector is not None:
             connector.received_sigterm, self._deferred = True, False
@@ -74,8 +77,17 @@ class SigtermCheckpoint(Callback):
             # Lightning would resume the next epoch with the finished one's batch count (and end it early); what it
             # does itself when an epoch starts makes the resumed fit begin at that epoch's first batch
             epoch_loop.reset()
+        # Lightning stops after the step's end has counted the step for the loggers (``_batches_that_stepped``); a
+        # fit resumed from a step that validated skips that validation and counts the step again (it expects the
+        # count of a save at the validation's end, before the step was counted; Lightning issue #19367), so that
+        # save holds the count as it was then: the resumed fit logs at the uninterrupted fit's steps
+        counted_again = self._validated_at == trainer.global_step and not between_epochs(trainer)
+        epoch_loop._batches_that_stepped -= counted_again
         tmp = self.path.with_name(self.path.name + ".tmp")
-        trainer.save_checkpoint(tmp)
+        try:
+            trainer.save_checkpoint(tmp)
+        finally:
+            epoch_loop._batches_that_stepped += counted_again
         if trainer.is_global_zero:
             os.replace(tmp, self.path)
 

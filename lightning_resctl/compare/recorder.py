@@ -150,7 +150,9 @@ class RunRecorder(Callback):
     * ``train_losses[(step, loss)]``: the loss ``training_step`` returned, every optimizer step;
     * ``train_time_s`` / ``steps_timed``: wall time between consecutive training-batch starts (optimizer,
       logging and callbacks included), leaving out the first ``warmup`` intervals and every interval holding a
-      validation.
+      validation;
+    * ``earlier_wall_s``: the wall time of the fits before the checkpoint this fit resumes from (0 when it
+      does not resume), from their setup to the save.
 
     Args:
         seed: the run's seed (see the module docstring).
@@ -171,6 +173,8 @@ class RunRecorder(Callback):
         self.steps_timed = 0
         self._intervals = 0
         self._last_start: float | None = None
+        self.earlier_wall_s = 0.0
+        self._fit_start = time.perf_counter()
         self._trainer = None
         self._resume: dict[str, Any] | None = None
         self._position: tuple[int, int] | None = None
@@ -179,6 +183,7 @@ class RunRecorder(Callback):
     # ------------------------------------------------------------------ data order and resume
     def setup(self, trainer, pl_module, stage):
         self._trainer = trainer
+        self._fit_start = time.perf_counter()
         if stage != "fit":
             return
         source = trainer.datamodule if trainer.datamodule is not None else pl_module
@@ -246,7 +251,8 @@ class RunRecorder(Callback):
         return {"seed": self.seed, "monitor": self.monitor, "curve": self.curve, "train_losses": self.train_losses,
                 "train_time_s": self.train_time_s, "steps_timed": self.steps_timed, "intervals": self._intervals,
                 "epoch": trainer.current_epoch, "batches": 0 if between else progress.completed,
-                "rng": None if between else _rng_state(), "between_epochs": between}
+                "rng": None if between else _rng_state(), "between_epochs": between,
+                "wall_s": self.earlier_wall_s + time.perf_counter() - self._fit_start}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["seed"] != self.seed:
@@ -256,6 +262,7 @@ class RunRecorder(Callback):
         self.train_losses = [tuple(x) for x in state["train_losses"]]
         self.train_time_s, self.steps_timed = state["train_time_s"], state["steps_timed"]
         self._intervals = state["intervals"]
+        self.earlier_wall_s = state.get("wall_s", 0.0)
         self._resume = {"epoch": state["epoch"], "batches": state["batches"], "rng": state["rng"],
                         "between_epochs": state.get("between_epochs", False)}
 

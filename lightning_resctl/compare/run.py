@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -11,16 +12,31 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from .events import TrimEvents, event_files
 from .methods import PLAIN
 from .options import CompareOptions
 from .preemption import SigtermCheckpoint
 from .recorder import RunRecorder
 from .records import JobFolder
 
-__all__ = ["train_run", "JOB_TRAINER_KEYS"]
+__all__ = ["train_run", "job_trainer_settings"]
 
-#: Trainer arguments the job sets for every run (the user's other settings are used as given).
-JOB_TRAINER_KEYS = ("logger", "enable_progress_bar", "default_root_dir")
+
+def job_trainer_settings(opts: CompareOptions) -> dict[str, str]:
+    """The Trainer arguments :func:`train_run` sets for every run, whatever the user's say, and what it sets them to
+    (the user's other settings are used as given)."""
+    settings = {
+        "logger": "a TensorBoardLogger in tb/<method>/seed<seed>, then yours",
+        "callbacks": "yours, with the job's: the run's recorder (first), ResidualControlCallback (the method), "
+                     + ("ResidualAblationCallback (at the last validation), " if opts.ablation else "")
+                     + "the progress line and the checkpoint on SIGTERM"
+                     + (", the periodic checkpoint" if opts.checkpoint_every_min is not None else ""),
+        "enable_progress_bar": "False (the job prints one progress line)",
+        "default_root_dir": "runs/<method>_seed<seed>",
+    }
+    if opts.checkpoint_every_min is not None:
+        settings["enable_checkpointing"] = f"True (the run's checkpoint, every {opts.checkpoint_every_min:g} min)"
+    return settings
 
 
 class RunCheckpoint(ModelCheckpoint):
@@ -109,6 +125,11 @@ def train_run(method: str, seed: int, reference: L.LightningModule, datamodule: 
     user_loggers = [] if user_loggers in (None, True, False) else (
         list(user_loggers) if isinstance(user_loggers, (list, tuple)) else [user_loggers])
     resume = ckpt.is_file()
+    events = folder.tensorboard_dir() / method / f"seed{seed}"
+    if resume:  # what the stopped fit logged after its checkpoint is logged again: its earlier copy goes
+        callbacks.append(TrimEvents(event_files(events)))
+    else:  # a run that starts over (stopped before its first save) logs its events afresh
+        shutil.rmtree(events, ignore_errors=True)
     logger = TensorBoardLogger(save_dir=str(folder.tensorboard_dir()), name=method, version=f"seed{seed}",
                                default_hp_metric=False)
     kwargs.update(logger=[logger, *user_loggers], callbacks=callbacks, enable_progress_bar=False,
@@ -135,7 +156,7 @@ def train_run(method: str, seed: int, reference: L.LightningModule, datamodule: 
         "final": recorder.final(), "curve": recorder.curve,
         "final_train_loss": recorder.final_train_loss(), "train_curve": recorder.train_losses,
         "steps": trainer.global_step, "train_time_s": recorder.train_time_s, "steps_timed": recorder.steps_timed,
-        "wall_s": wall, "resumed": resume,
+        "wall_s": recorder.earlier_wall_s + wall, "resumed": resume,
         "params": _count_params(model), "params_added": _count_params(model) - params_before,
         "sites": len(labels) or len(profile.get("stream_rms", []) or []),
         "branches": [_branch(lb) for lb in labels] or None,

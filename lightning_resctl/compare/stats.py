@@ -18,8 +18,10 @@ difference that the paired t test at 5 % (two-sided) finds with 80 % power at th
 
 (the usual power approximation of the one-sample t test on the differences, with the sample sd standing in for
 the true one); and *seeds needed* is the smallest n with ``MDE(n) <= |mean(d)|``: about how many seeds the observed
-difference would need to be shown with that power (None when the mean difference is 0). So "no difference shown"
-comes with "and none smaller than MDE could have been". 80 % and 5 % are the conventional choices, not ours.
+difference would need to be shown with that power (None when the mean difference is 0). The sentence states the
+measured mean difference beside the MDE and says which is larger, and that the count of better seeds is a count, not
+the test: "lower in 2 of 2 seeds" and an MDE larger than the measured difference are both true. 80 % and 5 % are the
+conventional choices, not ours.
 """
 from __future__ import annotations
 
@@ -126,22 +128,29 @@ def paired(method: Mapping[int, float], plain: Mapping[int, float], mode: str = 
     return out
 
 
-def power_sentence(pair: Mapping[str, object], digits: int = 4) -> str:
-    """What the seeds could have shown: the detectable difference and the seeds the observed one would need."""
+def power_sentence(pair: Mapping[str, object], digits: int = 4, mode: str = "min") -> str:
+    """What the seeds could detect, beside what was measured: the measured mean difference and the count of better
+    seeds (a count, not a test), the detectable difference (80 % power of the paired t test, 5 % two-sided, at
+    these seeds' spread), which of the two is larger, and the seeds the measured difference would need."""
     n, mde, need = pair["n"], pair.get("detectable"), pair.get("seeds_needed")
     if mde is None:
         return ""
-    shown = pair.get("ci") is not None and (pair["ci"][0] > 0 or pair["ci"][1] < 0)
-    text = (f" How much these seeds can tell: with {n} seeds the smallest difference the paired t test could detect "
-            f"(80% power, 5% two-sided) is {mde:.{digits}f}" + ("" if shown else "; none smaller could have been shown")
-            + ". ")
+    mean, ci = pair["mean"], pair.get("ci")
+    better_word = "lower" if mode == "min" else "higher"
+    text = (f" What these seeds can detect: the measured mean difference is {mean:+.{digits}f} ({better_word} in "
+            f"{pair['better']} of {n} seeds: a count, not a test); with {n} seeds at the spread of their "
+            f"differences, the paired t test (5% two-sided) could detect with 80% power a true difference of "
+            f"{mde:.{digits}f} or more (the detectable difference).")
     if need is None:
-        text += "The observed mean difference is 0: no number of seeds would show it."
-    elif need <= n:
-        text += f"The observed difference needs {need} seeds, and {n} were run."
-    else:
-        text += f"The observed difference ({pair['mean']:+.{digits}f}) would need about {need} seeds."
-    return text
+        return text + " The measured mean difference is 0: no number of seeds would show it."
+    if ci is not None and (ci[0] > 0 or ci[1] < 0):
+        return text + " The interval above excludes 0: this difference is shown."
+    if abs(mean) < mde:
+        return text + (f" The measured difference is smaller than the detectable difference: these seeds can "
+                       f"neither show it nor rule it out; a difference of this size would need about {need} seeds.")
+    return text + (" The measured difference is at least as large as the detectable difference, yet "
+                   + ("2 seeds give no interval" if ci is None else "the interval includes 0")
+                   + f": 80% power is a chance, not a certainty ({need} seeds give it at this size).")
 
 
 def verdict(method_stats: Mapping[str, float], plain_stats: Mapping[str, float], pair: Mapping[str, object],
@@ -171,4 +180,4 @@ def verdict(method_stats: Mapping[str, float], plain_stats: Mapping[str, float],
         tail += (f", 95% paired t interval [{ci[0]:+.{digits}f}, {ci[1]:+.{digits}f}]"
                  + (f" (excludes 0: {better_word if (ci[1] < 0) == (mode == 'min') else worse_word} than plain)."
                     if excludes else " (includes 0)."))
-    return head + tail + power_sentence(pair, digits)
+    return head + tail + power_sentence(pair, digits, mode)

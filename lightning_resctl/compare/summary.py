@@ -15,8 +15,9 @@ from .methods import PLAIN, describe_method
 from .records import _json_safe
 from .stats import describe, paired, verdict
 
-__all__ = ["SummaryTable", "write_summary"]
+__all__ = ["SummaryTable", "write_summary", "describe_chosen", "describe_set"]
 
+DEPTH_PLOTS = ("stream_rms_png", "update_ratio_png", "ablation_png")
 PLOT_FILES = {"val_png": "val_metric.png", "stream_rms_png": "stream_rms_depth.png",
               "update_ratio_png": "update_ratio_depth.png", "ablation_png": "ablation_depth.png"}
 
@@ -67,6 +68,16 @@ class SummaryTable:
         return pd.DataFrame(self.rows, columns=list(self.columns)).set_index("method")
 
 
+def describe_chosen(chosen: Mapping[str, Any]) -> str:
+    """The Trainer settings the job chose for the user (job.json's ``about.trainer_chosen``), in words."""
+    return "the job chose, as you did not set them: " + ", ".join(f"{k}={v}" for k, v in chosen.items())
+
+
+def describe_set(settings: Mapping[str, str]) -> str:
+    """The Trainer settings the job sets for every run (job.json's ``about.trainer_set``), in words."""
+    return "the job sets for every run: " + "; ".join(f"{k}: {v}" for k, v in settings.items())
+
+
 def _fmt(stats: Mapping[str, float], digits: int = 4) -> str:
     if stats["n"] == 0:
         return "n/a"
@@ -99,16 +110,26 @@ def _cost_cell(cost: Mapping[str, Any] | None, m: str) -> str:
 
 
 def _plots(runs_by_method: dict[str, list[dict]], out_dir: Path, monitor: str, n_seeds: int,
-           branches: list[str] | None) -> dict[str, str]:
-    from .plots import SeedCurves, band_figure
+           branches: list[str] | None) -> tuple[dict[str, str], dict[str, str]]:
+    """The PNG plots (``{key: file name}``) and the markers their depth plots draw (``{kind: marker}``, see
+    :func:`~.plots.depth_markers`)."""
+    from . import plots
+    from .plots import SeedCurves
 
     files: dict[str, str] = {}
+    markers: dict[str, str] = {}
+
+    def band_figure(bands, **kwargs):
+        if kwargs.get("depth_axis"):
+            for band in bands.values():
+                markers.update(plots.depth_markers(branches, band.xs.size))
+        return plots.band_figure(bands, **kwargs)
     note = f"mean of {n_seeds} seed(s)" + (", band: range over seeds" if n_seeds > 1 else "")
 
     def save(fig, key):
         path = out_dir / PLOT_FILES[key]
         fig.savefig(path)
-        files[key] = str(path)
+        files[key] = path.name  # in the summary's folder: the record does not depend on where it lies
 
     curves = {m: SeedCurves.from_curves([r["curve"] for r in runs]) for m, runs in runs_by_method.items()}
     curves = {m: c for m, c in curves.items() if c.xs.size}
@@ -132,16 +153,19 @@ def _plots(runs_by_method: dict[str, list[dict]], out_dir: Path, monitor: str, n
         save(band_figure(bands, xlabel="merge depth skipped", ylabel="validation loss increase",
                          title=f"ablation: loss increase when one merge's update is skipped ({note})",
                          depth_axis=True, branches=branches), "ablation_png")
-    return files
+    return files, markers
 
 
 def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]], cost: Mapping[str, Any] | None,
-                  out_dir: str | Path, total_wall_s: float | None = None) -> SummaryTable:
+                  out_dir: str | Path) -> SummaryTable:
     """Aggregate run records into ``summary.md``, ``summary.json`` and PNG plots under ``out_dir``; returns the
     :class:`SummaryTable`.
 
     ``manifest``: the job's ``job.json`` (its identity: methods, seeds, mode; its ``about`` texts);
-    ``cost``: :func:`~lightning_resctl.compare.cost.measure_cost`'s result, or None when not measured."""
+    ``cost``: :func:`~lightning_resctl.compare.cost.measure_cost`'s result, or None when not measured.
+
+    Everything written is a function of these arguments, which the job's folder holds: the total wall time is the
+    sum of the runs' own times (a resumed run's includes its fits before the stop) and the cost measurement's."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ident = manifest["identity"]
@@ -211,7 +235,8 @@ def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]]
     unmatched = sorted(s for s, fps in by_seed.items() if len(fps) > 1)
 
     branches = next((p["branches"] for p in per.values() if p["branches"]), None)
-    files = _plots(runs_by_method, out_dir, monitor, len(seeds), branches)
+    files, markers = _plots(runs_by_method, out_dir, monitor, len(seeds), branches)
+    from .plots import describe_markers  # matplotlib: imported when plotting, as _plots does
 
     # --- summary.md --------------------------------------------------------------------------
     direction = "lower is better" if mode == "min" else "higher is better"
@@ -219,6 +244,10 @@ def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]]
     for key, label in (("data", "Data"), ("model", "Model"), ("trainer", "Trainer")):
         if about.get(key):
             lines.append(f"{label}: {about[key]}.")
+    if about.get("trainer_chosen"):
+        lines.append(f"Trainer: {describe_chosen(about['trainer_chosen'])}.")
+    if about.get("trainer_set"):
+        lines.append(f"Trainer: {describe_set(about['trainer_set'])}.")
     lines += ["", f"Compared: `{monitor}` at the last validation ({direction}). Seeds {seeds}: for each seed every "
               "method starts from the same initial weights of the unmodified model and sees the same batches in the "
               "same order, with the same optimizer and Trainer settings; the method is applied by "
@@ -319,19 +348,22 @@ def write_summary(manifest: Mapping[str, Any], records: Sequence[dict[str, Any]]
               "(ResidualControlCallback's `stream_rms`, last logged step, mean over seeds). For multi-stream rules the "
               "stream is what the model's own code sees between merges (per-stream values are in TensorBoard).", ""]
     if files:
-        lines += ["## Plots", "", "Lines: mean over seeds; shaded band: lowest to highest seed. Depth plots mark "
-                  "attention merges with circles and MLP merges with squares.", ""]
+        lines += ["## Plots", "", "Lines: mean over seeds; shaded band: lowest to highest seed."
+                  + (f" {describe_markers(markers)}" if any(k in files for k in DEPTH_PLOTS) else ""), ""]
         lines += [f"![{Path(f).stem}]({Path(f).name})" for f in files.values()] + [""]
     lines += ["TensorBoard logs: `tensorboard --logdir tb` (in this folder).", ""]
-    if total_wall_s is not None:
-        lines += [f"Total wall time: {total_wall_s:.0f} s.", ""]
+    run_wall = sum(r.get("wall_s") or 0.0 for r in done)
+    cost_wall = (cost or {}).get("wall_s") or 0.0
+    total_wall_s = run_wall + cost_wall
+    lines += [f"Total wall time: {total_wall_s:.0f} s (the {len(done)} runs' own times, {run_wall:.0f} s, "
+              f"and the cost measurement's, {cost_wall:.0f} s).", ""]
     markdown = "\n".join(lines)
     (out_dir / "summary.md").write_text(markdown)
-    files["summary_md"] = str(out_dir / "summary.md")
+    files["summary_md"] = "summary.md"
     summary = {"fingerprint": manifest["fingerprint"], "identity": ident, "about": about, "monitor": monitor,
                "mode": mode, "methods": per, "not_run": not_run, "missing": missing, "cost": cost,
                "runs": [{k: v for k, v in r.items() if k != "train_curve"} for r in records],
                "files": files, "total_wall_s": total_wall_s}
     (out_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=1, default=str))
-    files["summary_json"] = str(out_dir / "summary.json")
+    files["summary_json"] = "summary.json"
     return SummaryTable(rows, "\n".join(table), summary, out_dir)

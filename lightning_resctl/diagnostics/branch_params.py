@@ -21,9 +21,11 @@ class BranchParameters:
         #: ``params[d]``: the parameters of merge d's branch, once :meth:`finish` ran; None before.
         self.params: list[list[nn.Parameter]] | None = None
         self._hooks: list = []
-        self._pending: dict[int, set] = {}
+        # modules as insertion-ordered dict keys (not sets, whose order follows memory addresses): the gradient sums
+        # add the parameters in the order they ran, the same in every process
+        self._pending: dict[int, dict] = {}
         self._owner_of_site: dict[int, int] = {}
-        self._modules: dict[int, set] = {}
+        self._modules: dict[int, dict] = {}
 
     @property
     def tracing(self) -> bool:
@@ -48,7 +50,7 @@ class BranchParameters:
             self._owner_of_site[id(s)] = id(owner)
 
         def reset(oid: int, *_: Any) -> None:
-            self._pending[oid] = set()
+            self._pending[oid] = {}
 
         for oid, owner in owners.items():
             self._hooks.append(owner.register_forward_pre_hook(functools.partial(reset, oid)))
@@ -60,7 +62,7 @@ class BranchParameters:
                     continue
 
                 def mark(mod: nn.Module, *_: Any, _oid: int = oid) -> None:
-                    self._pending.setdefault(_oid, set()).add(mod)
+                    self._pending.setdefault(_oid, {})[mod] = None
 
                 self._hooks.append(m.register_forward_hook(mark))
 
@@ -68,8 +70,8 @@ class BranchParameters:
         """Merge ``depth`` of ``site`` ran: the modules its block ran since the last merge are its branch."""
         owner = self._owner_of_site.get(id(site))
         if owner is not None:
-            self._modules.setdefault(depth, set()).update(self._pending.get(owner, ()))
-            self._pending[owner] = set()
+            self._modules.setdefault(depth, {}).update(self._pending.get(owner, {}))
+            self._pending[owner] = {}
 
     def finish(self, num_depths: int) -> None:
         """Remove the hooks and fix :attr:`params`."""

@@ -185,6 +185,8 @@ class ResidualMonitor:
         self._sites: list = []
         self._alerted: set[str] = set()
         self._prepared: set = set()      # sinks that got the layout and the about text
+        self._loaded_prepared = False    # load_state_dict: the checkpointed run's destinations got them
+        self._continued = False          # this run continues a checkpointed one whose destinations got them
         self._latest: Record | None = None
         self._unwritten: deque[Record] = deque(maxlen=_MAX_UNWRITTEN)
         self._dropped = 0
@@ -478,9 +480,12 @@ class ResidualMonitor:
                 UserWarning, stacklevel=2)
 
     def new_run(self) -> None:
-        """Forget the alerts already shown and what was written where (a new run; the records are kept)."""
+        """Forget the alerts already shown and what was written where (a new run; the records are kept). A run
+        resumed from a checkpoint (:meth:`load_state_dict` first) continues its destinations' records: the layout
+        and the ``about`` text they got before the checkpoint are not written again."""
         self._alerted = set()
         self._prepared = set()
+        self._continued, self._loaded_prepared = self._loaded_prepared, False
 
     def metrics(self) -> dict[str, float]:
         """The scalars of the current step (the one last passed to :meth:`step` / :meth:`start`):
@@ -513,7 +518,8 @@ class ResidualMonitor:
         for sink in sinks:
             if sink.key not in self._prepared:
                 self._prepared.add(sink.key)
-                self._prepare(sink, records[0])
+                if not self._continued:
+                    self._prepare(sink, records[0])
             for rec in records:
                 sink.scalars(rec.scalars, rec.step)
                 if self.histograms and sink.takes_histograms:
@@ -634,9 +640,12 @@ class ResidualMonitor:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """``{"history", "depth_profile"}`` (e.g. for ``fabric.save``)."""
-        return {"history": list(self.history), "depth_profile": dict(self.depth_profile)}
+        """``{"history", "depth_profile", "prepared"}`` (e.g. for ``fabric.save``); ``prepared``: the destinations
+        got the layout and the ``about`` text already."""
+        return {"history": list(self.history), "depth_profile": dict(self.depth_profile),
+                "prepared": bool(self._prepared) or self._continued}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.history = [tuple(x) for x in state_dict.get("history", [])]
         self.depth_profile = dict(state_dict.get("depth_profile", {}))
+        self._loaded_prepared = bool(state_dict.get("prepared", False))
