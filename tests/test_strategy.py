@@ -1,0 +1,272 @@
+"""ResidualParallelStrategy (issue 46): the recipe of docs/distributed.md as one Trainer argument.
+
+Two groups of 2 gloo processes run at once (tests/_resctl_strategy_script.py): tensor and sequence parallel, where
+the strategy's run and the hand-written recipe's (``configure_model`` with ``patch_in_configure_model``,
+``parallelize_module``, ``parallelize_residuals``) must give the same parameters after two SGD steps, for
+rescontroller, mgr-competitive and hc; and data parallel (FSDP2 per block and the root, each block checkpointed, hc's
+compiled). Every fp64 run is also compared with the patched model trained in this process by hand. In this process
+(a one-rank process group): the strategy with the whole recipe against a plain Trainer with the callback, and the
+refusals, each naming the argument.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+import _resctl_strategy_script as strategy_script
+import _resctl_tp_script as script
+from lightning_resctl import ResidualParallelStrategy, merge_sites, patch_residuals
+from lightning_resctl.callbacks import ResidualControlCallback
+from lightning_resctl.distributed.blocks import find_blocks
+from lightning_resctl.distributed.plan import sequence_parallel_of
+from models import PreNormBlock
+from test_combinations_parallel import assert_close
+
+REL = 1e-12  # fp64: the parallel runs sum the same products in another order
+
+
+def reference(method: str) -> dict:
+    """The patched model trained in this process by hand: :data:`strategy_script.STEPS` SGD steps on the batch."""
+    model = script.base_model()
+    patch_residuals(model, method=method, **script.options(method))
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=script.LR)
+    for _ in range(strategy_script.STEPS):
+        script.loss_of(model(script.batch()[0]), script.batch()[1]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"start": start, "after": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("strategy")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore", LIGHTNING_RESCTL_COMPILE="0")
+    env.pop("LOCAL_RANK", None)
+    procs = {mode: subprocess.Popen([sys.executable, strategy_script.__file__, mode, str(out)], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for mode in ("tp", "dp")}
+    references = {method: reference(method) for method in strategy_script.RULES}  # meanwhile
+    for mode, p in procs.items():
+        try:
+            log, _ = p.communicate(timeout=400)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            log, _ = p.communicate()
+        assert p.returncode == 0, f"{mode} run failed:\n{log[-4000:]}"
+    loaded = {f"{mode}{r}": torch.load(out / f"{mode}_rank{r}.pt", weights_only=False)
+              for mode in ("tp", "dp") for r in (0, 1)}
+    return {**loaded, "single": references}
+
+
+def assert_rule_moved_and_ranks_agree(rank0: dict, rank1: dict, start: dict, what: str) -> None:
+    assert rank0, f"{what}: no rule parameters recorded"
+    for name, p in rank0.items():
+        assert torch.equal(p, rank1[name]), f"{what} {name}: the ranks' copies differ"
+    assert any(not torch.equal(p, start[name]) for name, p in rank0.items()), f"{what}: the rule did not move"
+
+
+@pytest.mark.parametrize("layout", ["tp", "sp"], ids=["tensor-parallel", "sequence-parallel"])
+def test_tensor_and_sequence_parallel_equal_the_hand_written_recipe(runs, layout):
+    """The strategy (plan given, the stream's layout read from it, each block checkpointed) and the hand-written
+    recipe: the same parameters after two steps, both equal to one process's, both ranks holding one rule."""
+    for method in strategy_script.RULES:
+        want = runs["single"][method]
+        for r in (0, 1):
+            got, hand = (runs[f"tp{r}"][layout, method, kind] for kind in ("strategy", "hand"))
+            assert_close(got["after"], hand["after"], f"{method} {layout} strategy vs hand-written")
+            assert_close(got["after"], want["after"], f"{method} {layout} strategy vs one process")
+        said = runs["tp0"][layout, method, "strategy"]["applied"]
+        layout_said = "sequence parallel" if layout == "sp" else "tensor parallel"
+        assert f"{method} patch (callback) · {layout_said} (read from the plan), rule parameters on the mesh" in said
+        assert "2 blocks (Block), 2 checkpointed" in said
+        if method != "rescontroller":  # rescontroller has no parameters
+            rank0, rank1 = (runs[f"tp{r}"][layout, method, "strategy"]["rule_local"] for r in (0, 1))
+            assert_rule_moved_and_ranks_agree(rank0, rank1, want["start"], f"{method} {layout}")
+
+
+def test_data_parallel_equals_one_process(runs):
+    """data_parallel_size=2 (FSDP2 per block and the root, each rank half the batch, each block checkpointed; hc's
+    blocks compiled too), the rule from the strategy's own method=: one process's parameters after two steps."""
+    for method in strategy_script.RULES:
+        for r in (0, 1):
+            assert_close(runs[f"dp{r}"][method]["after"], runs["single"][method]["after"], f"{method} data parallel")
+        said = runs["dp0"][method]["applied"]
+        assert f"{method} patch (strategy)" in said and "FSDP2 over 2 ranks" in said, said
+        assert ("compiled one by one" in said) == (method in strategy_script.COMPILED), said
+
+
+# ---------------------------------------------------------------------------------------------- in this process
+@pytest.fixture(scope="module")
+def one_rank():
+    """The Trainers of this module run in this process on a one-rank gloo group, destroyed at the end."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+class Built(strategy_script.GPT):
+    """The model built in ``__init__`` (no ``configure_model``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = script.base_model()
+
+
+def fit_here(module, strategy=None, callbacks=(), max_steps=strategy_script.STEPS):
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy or "auto", max_steps=max_steps,
+                        callbacks=list(callbacks), logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module)
+    return {n.replace(strategy_script.WRAPPED, "").removeprefix("model."): script._full(p).detach().clone()
+            for n, p in module.named_parameters()}
+
+
+def test_one_process_whole_recipe_equals_a_plain_trainer(one_rank):
+    """One process, the model built in __init__: the strategy with the sequence-parallel plan (a one-rank mesh),
+    each block checkpointed and compiled (aot_eager), trains hc to the parameters of a plain Trainer with
+    ResidualControlCallback, and of the patched model trained by hand."""
+    torch._dynamo.reset()
+    strategy = ResidualParallelStrategy(plan=strategy_script.model_plan("sp"), activation_checkpointing="blocks",
+                                        compile={"backend": "aot_eager"})
+    got = fit_here(Built(), strategy, [ResidualControlCallback(method="hc")])
+    plain = fit_here(Built(), None, [ResidualControlCallback(method="hc")])
+    assert_close(got, plain, "strategy vs plain Trainer")
+    assert_close(got, reference("hc")["after"], "strategy vs by hand")
+    assert strategy.applied.startswith("ResidualParallelStrategy: hc patch (callback) · sequence parallel (read "
+                                       "from the plan)"), strategy.applied
+    torch._dynamo.reset()
+
+
+def test_an_observing_callback_leaves_the_patch_to_the_strategy(one_rank, tmp_path):
+    """ResidualControlCallback() (method=None: observe) with ResidualParallelStrategy("mgr-competitive"): the
+    strategy's rule is patched (the observer would otherwise patch "add" first, to find the merges)."""
+    module = Built()
+    fit_here(module, ResidualParallelStrategy("mgr-competitive", backend="torch-eager"),
+             [ResidualControlCallback(dirpath=str(tmp_path), log_every_n_steps=1)], max_steps=1)
+    assert {s.method for s in merge_sites(module)} == {"mgr-competitive"}
+
+
+class ParallelizesItself(strategy_script.GPT):
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        super().configure_model()
+        fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+
+
+REFUSED_AT_SETUP = {
+    "plan names no module": (
+        lambda: ResidualParallelStrategy("hc", plan={"model.h.*.nope": _colwise()}),
+        None, ValueError, r"plan\['model\.h\.\*\.nope'\] names no module of GPT"),
+    "block predicate matches nothing": (
+        lambda: ResidualParallelStrategy("hc", block_cls=lambda name, module: name == "nowhere"),
+        None, ValueError, r"block_cls=<function .*> matches no module of GPT"),
+    "mesh larger than the world": (
+        lambda: ResidualParallelStrategy("hc", plan={"model.h.*.mlp.c_fc": _colwise()}, tensor_parallel_size=2),
+        None, ValueError, r"data_parallel_size=1 x tensor_parallel_size=2 needs 2 processes, more than the world's 1"),
+    "model parallelized already": (
+        lambda: ResidualParallelStrategy("hc"), ParallelizesItself, RuntimeError,
+        r"parallel already .*fully_shard was applied to 'model'.*configure_model only builds the model"),
+    "strategy and callback disagree": (
+        lambda: ResidualParallelStrategy("hc"), "mgr-competitive", ValueError,
+        r"ResidualParallelStrategy\(method='hc'.*ResidualControlCallback\(method='mgr-competitive'.*disagree"),
+    "sequence parallel cannot be told": (
+        lambda: ResidualParallelStrategy("hc", plan={"model.h.0": _prepare(0)}), None, ValueError,
+        r"cannot tell from plan= whether the residual stream .* pass sequence_parallel=True"),
+}
+
+
+def _colwise():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return ColwiseParallel()
+
+
+def _prepare(dim):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    return PrepareModuleInput(input_layouts=(Shard(dim),), desired_input_layouts=(Replicate(),))
+
+
+@pytest.mark.parametrize("case", list(REFUSED_AT_SETUP))
+def test_wrong_inputs_are_refused_naming_the_argument(one_rank, case):
+    make, extra, error, message = REFUSED_AT_SETUP[case]
+    module = (extra or strategy_script.GPT)() if not isinstance(extra, str) else strategy_script.GPT()
+    callbacks = [ResidualControlCallback(method=extra)] if isinstance(extra, str) else []
+    with pytest.raises(error, match=message):
+        fit_here(module, make(), callbacks, max_steps=1)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(plan=[1]), TypeError, "plan must be a dict"),
+    (dict(plan={"h.0": "colwise"}), TypeError, r"plan\['h.0'\] must be a ParallelStyle"),
+    (dict(activation_checkpointing="all"), ValueError, "activation_checkpointing must be None, 'blocks'"),
+    (dict(activation_checkpointing=0), ValueError, "activation_checkpointing must be"),
+    (dict(compile="yes"), TypeError, "compile must be True, False or a dict"),
+    (dict(block_cls=3), TypeError, "block_cls must be an nn.Module class"),
+    (dict(tensor_parallel_size=2), ValueError, "tensor_parallel_size=2 without a plan"),
+    (dict(sequence_parallel=True), ValueError, "sequence_parallel=True without a plan"),
+    (dict(method="nope"), ValueError, "registered merge rule"),
+    (dict(method="mgr", streams=-1), ValueError, "streams"),
+], ids=["plan-type", "plan-style", "ckpt-name", "ckpt-zero", "compile", "block-cls", "tp-no-plan", "sp-no-plan",
+        "method", "option"])
+def test_arguments_are_checked_on_construction(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        ResidualParallelStrategy(**kwargs)
+
+
+def test_a_typed_config_is_the_method_with_its_options():
+    from lightning_resctl.rules.mgr.config import MGRConfig
+
+    strategy = ResidualParallelStrategy(MGRConfig(streams=2))
+    assert strategy.method == "mgr" and strategy.patcher.options["streams"] == 2
+
+
+# ---------------------------------------------------------------------------------------------- the parts
+def test_the_stream_layout_is_read_from_the_plan():
+    """Sequence parallel where a style shards the sequence (dim 1); tensor parallel where only known styles shard
+    other dims; unknown (None) otherwise."""
+    model = script.base_model()
+    assert sequence_parallel_of(script.plan(model, "sp")) is True
+    assert sequence_parallel_of(script.plan(model, "tp")) is False
+    assert sequence_parallel_of({"h.0": _prepare(0)}) is None
+
+    class Custom(type(_colwise()).__mro__[1]):  # a ParallelStyle of the user's own
+        def _apply(self, module, mesh):
+            return module
+
+    assert sequence_parallel_of({"h.0.mlp.c_fc": _colwise(), "h.0": Custom()}) is None
+
+
+class TwoLists(nn.Module):
+    """A ModuleList of 3 heads (no merge) beside the 2 blocks that hold the merges."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.blocks = nn.ModuleList(PreNormBlock(8) for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return sum(h(x) for h in self.heads)
+
+
+def test_blocks_are_the_repeated_children_holding_the_merges():
+    model = TwoLists()
+    assert [n for n, _ in find_blocks(model)] == ["heads.0", "heads.1", "heads.2"]  # unpatched: the largest list
+    patch_residuals(model, method="rescontroller", example_input=torch.randn(2, 8))
+    assert [n for n, _ in find_blocks(model)] == ["blocks.0", "blocks.1"]
+    assert [n for n, _ in find_blocks(model, nn.Linear)] == ["heads.0", "heads.1", "heads.2", "blocks.0.f1",
+                                                             "blocks.0.f2.0", "blocks.0.f2.2", "blocks.1.f1",
+                                                             "blocks.1.f2.0", "blocks.1.f2.2"]
+    with pytest.raises(ValueError, match="found no repeated blocks .* block_cls="):
+        find_blocks(nn.Sequential(nn.Linear(2, 2)))
