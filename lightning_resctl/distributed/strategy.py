@@ -225,13 +225,15 @@ class ResidualParallelStrategy(ModelParallelStrategy):
                 "with this strategy configure_model only builds the model. Remove parallelize_module / fully_shard "
                 "from it (give the plan as plan=), or use Lightning's ModelParallelStrategy")
         said = [self._patch(module, trainer)]
-        blocks = find_blocks(module, self.block_cls)
         tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        shard = dp_mesh.size() > 1
+        per_block = shard or self.compile_options is not None or self.activation_checkpointing not in (None, False)
+        # found on the patched, plain model; only when something is done per block
+        blocks = find_blocks(module, self.block_cls) if per_block or self.block_cls is not None else []
         if self.plan is not None:
             plan = resolve_plan(self.plan, module, tp_mesh)
             said.append(self._tensor_parallel(module, tp_mesh, plan, parallelize_module))
         flags = checkpointed(blocks, self.activation_checkpointing)
-        shard = dp_mesh.size() > 1
         policy = self.mp_policy or policy_for_precision(trainer.precision)
         for (name, block), ckpt in zip(blocks, flags):
             wrapped = wrap_block(block, ckpt, self.compile_options)
@@ -243,7 +245,8 @@ class ResidualParallelStrategy(ModelParallelStrategy):
         if shard:
             fully_shard(module, mesh=dp_mesh, mp_policy=policy)
             _steps_gather_the_root(module)
-        said.append(self._blocks_said(blocks, flags))
+        if blocks:
+            said.append(self._blocks_said(blocks, flags))
         said.append(f"FSDP2 over {dp_mesh.size()} ranks ({_policy_said(policy)})" if shard
                     else "no FSDP2 (1 data-parallel rank)")
         self.applied = "ResidualParallelStrategy: " + " · ".join(said)
