@@ -3,8 +3,8 @@
     python tests/_resctl_strategy_script.py {tp|dp} OUT_DIR
 
 The model is the fp64 NanoGPT of tests/_resctl_tp_script.py, built in ``configure_model`` and nothing else; each run
-is a Trainer of two SGD steps on :func:`_resctl_tp_script.batch` (the same batch twice: the first step moves the
-rule's parameters from their init, the second runs from there). Rank r writes ``{mode}_rank{r}.pt``:
+is a Trainer of two SGD steps (with momentum) on :func:`_resctl_tp_script.batch` (the same batch twice: the first
+step moves the rule's parameters from their init, the second runs from there). Rank r writes ``{mode}_rank{r}.pt``:
 ``{case: {"after": full parameters after the steps, "rule_local": the rule's parameters as the rank holds them,
 "applied": the strategy's line}}``.
 
@@ -14,7 +14,9 @@ tests/_resctl_tp_script.py, each block checkpointed; the method from the Trainer
 (``patch_in_configure_model``, ``parallelize_module``, ``parallelize_residuals`` in ``configure_model``), case
 ``(layout, method, "strategy" | "hand")``. ``dp``: ``data_parallel_size=2`` (FSDP2 per block and the root, each
 rank half the batch) with the strategy's own ``method=``, each block checkpointed (and compiled, aot_eager, for
-:data:`COMPILED`), case ``method``.
+:data:`COMPILED`), case ``method``; then :data:`RESUMED` stopped after one step, saved (``sharded.ckpt``:
+a distributed checkpoint; ``full.ckpt``: one file) and resumed for the second step by a new Trainer, case
+``("resumed", "sharded" | "full")``.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ from lightning_resctl.callbacks import ResidualControlCallback, patch_in_configu
 RULES = ("rescontroller", "mgr-competitive", "hc")  # compared with the hand-written recipe too
 EVERY_RULE = tuple(m for m in merge_rules() if m != "mgr")  # sequence parallel ("mgr" is mgr-competitive)
 COMPILED = ("hc",)
+RESUMED = "mgr-competitive"
+MOMENTUM = 0.9  # an optimizer state, which a resumed run must get back
 STEPS = 2
 WRAPPED = "_checkpoint_wrapped_module."
 
@@ -70,7 +74,7 @@ class GPT(L.LightningModule):
         return loss_of(self.model(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(*batch()), batch_size=self.batch_size)
@@ -81,11 +85,14 @@ def model_plan(layout: str):
     return lambda module, tp_mesh: {f"model.{k}": v for k, v in plan(module.model, layout).items()}
 
 
-def fit(module: GPT, strategy, callbacks=(), distributed_sampler: bool = False) -> dict:
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, callbacks=list(callbacks),
+def fit(module: GPT, strategy, callbacks=(), distributed_sampler: bool = False, steps: int = STEPS,
+        ckpt_path=None, save_to=None) -> dict:
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=list(callbacks),
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=distributed_sampler)
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
     params = {n.replace(WRAPPED, "").removeprefix("model."): p for n, p in module.named_parameters()}
     return {"after": {n: _full(p).detach().clone() for n, p in params.items()},
             "rule_local": {n: _local(params[n]).detach().clone() for n in _rule_names(module.model)
@@ -116,6 +123,14 @@ def run_dp(out: Path) -> dict:
         strategy = ResidualParallelStrategy(method, activation_checkpointing="blocks", **options(method),
                                             compile={"backend": "aot_eager"} if method in COMPILED else False)
         result[method] = fit(GPT(batch_size=2), strategy, distributed_sampler=True)
+    for kind, distributed in (("sharded", True), ("full", False)):  # stop after one step, resume for the second
+        def strategy():
+            return ResidualParallelStrategy(RESUMED, activation_checkpointing="blocks", **options(RESUMED),
+                                            save_distributed_checkpoint=distributed)
+
+        path = out / f"{kind}.ckpt"
+        fit(GPT(batch_size=2), strategy(), distributed_sampler=True, steps=1, save_to=path)
+        result["resumed", kind] = fit(GPT(batch_size=2), strategy(), distributed_sampler=True, ckpt_path=path)
     return result
 
 

@@ -31,13 +31,13 @@ from test_combinations_parallel import assert_close
 REL = 1e-12  # fp64: the parallel runs sum the same products in another order
 
 
-def reference(method: str) -> dict:
-    """The patched model trained in this process by hand: :data:`strategy_script.STEPS` SGD steps on the batch."""
+def reference(method: str, steps: int = strategy_script.STEPS) -> dict:
+    """The patched model trained in this process by hand: ``steps`` SGD steps on the batch."""
     model = script.base_model()
     patch_residuals(model, method=method, **script.options(method))
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=script.LR)
-    for _ in range(strategy_script.STEPS):
+    optimizer = torch.optim.SGD(model.parameters(), lr=script.LR, momentum=strategy_script.MOMENTUM)
+    for _ in range(steps):
         script.loss_of(model(script.batch()[0]), script.batch()[1]).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -62,7 +62,7 @@ def runs(tmp_path_factory):
         assert p.returncode == 0, f"{mode} run failed:\n{log[-4000:]}"
     loaded = {f"{mode}{r}": torch.load(out / f"{mode}_rank{r}.pt", weights_only=False)
               for mode in ("tp", "dp") for r in (0, 1)}
-    return {**loaded, "single": references}
+    return {**loaded, "single": references, "out": out}
 
 
 def assert_rule_moved_and_ranks_agree(rank0: dict, rank1: dict, start: dict, what: str) -> None:
@@ -114,6 +114,30 @@ def test_data_parallel_equals_one_process(runs):
         said = runs["dp0"][method]["applied"]
         assert f"{method} patch (strategy)" in said and "FSDP2 over 2 ranks" in said, said
         assert ("compiled one by one" in said) == (method in strategy_script.COMPILED), said
+
+
+def test_a_checkpoint_saved_under_the_strategy_resumes_to_the_uninterrupted_run(runs):
+    """Stopped after one step, saved by the Trainer (a distributed checkpoint, and one full file), resumed by a
+    new Trainer and strategy for the second step: the uninterrupted run's parameters (the momentum buffers
+    restored too)."""
+    want = runs["dp0"][strategy_script.RESUMED]["after"]
+    for kind in ("sharded", "full"):
+        for r in (0, 1):
+            assert_close(runs[f"dp{r}"]["resumed", kind]["after"], want, f"resumed from the {kind} checkpoint")
+    assert (runs["out"] / "sharded.ckpt").is_dir() and (runs["out"] / "full.ckpt").is_file()
+
+
+def test_the_full_checkpoint_loads_into_a_single_process_patched_model(runs):
+    """The strategy's one-file checkpoint (after one step, FSDP2 and checkpoint_wrapper on the way) loads into an
+    unpatched model of this process with patch_from_state_dict: the rule, and one process's step."""
+    from lightning_resctl import patch_from_state_dict
+
+    checkpoint = torch.load(runs["out"] / "full.ckpt", weights_only=False)
+    module = Built()
+    patch_from_state_dict(module, checkpoint["state_dict"])
+    assert {s.method for s in merge_sites(module)} == {strategy_script.RESUMED}
+    got = {n.removeprefix("model."): p for n, p in module.named_parameters()}
+    assert_close(got, reference(strategy_script.RESUMED, steps=1)["after"], "loaded in one process")
 
 
 # ---------------------------------------------------------------------------------------------- in this process

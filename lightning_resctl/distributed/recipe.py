@@ -3,7 +3,8 @@ order that works for every rule, ``fully_shard`` per block and of the root, and 
 already."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -11,8 +12,8 @@ from torch import nn
 
 from ..surgery.tensor_parallel import tensor_parallel_modules
 
-__all__ = ["check_checkpointing", "check_compile", "checkpointed", "wrap_block", "parallelized_already",
-           "policy_for_precision"]
+__all__ = ["check_checkpointing", "check_compile", "checkpointed", "wrap_block", "without_checkpoint_wrappers",
+           "parallelized_already", "policy_for_precision"]
 
 
 def check_checkpointing(value: Any) -> None:
@@ -66,6 +67,27 @@ def wrap_block(block: nn.Module, checkpoint: bool, compile_options: Optional[dic
         return wrapped
     block.compile(**compile_options)
     return checkpoint_wrapper(block) if checkpoint else block
+
+
+@contextmanager
+def without_checkpoint_wrappers(module: nn.Module) -> Iterator[None]:
+    """``module`` with each ``checkpoint_wrapper`` replaced by the block it wraps (the same parameters), and put back
+    afterwards: the module's names as its state dict has them (Lightning's loader of a one-file checkpoint reads
+    ``named_modules``, where the wrapper adds ``_checkpoint_wrapped_module.``)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    swapped = []
+    for name, sub in list(module.named_modules()):
+        if isinstance(sub, CheckpointWrapper) and name:
+            parent, _, attr = name.rpartition(".")
+            owner = module.get_submodule(parent)
+            owner.register_module(attr, sub._checkpoint_wrapped_module)
+            swapped.append((owner, attr, sub))
+    try:
+        yield
+    finally:
+        for owner, attr, wrapper in reversed(swapped):
+            owner.register_module(attr, wrapper)
 
 
 def parallelized_already(module: nn.Module) -> Optional[str]:

@@ -26,6 +26,7 @@ from .recipe import (
     checkpointed,
     parallelized_already,
     policy_for_precision,
+    without_checkpoint_wrappers,
     wrap_block,
 )
 
@@ -198,6 +199,12 @@ class ResidualParallelStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
+        """``ModelParallelStrategy.load_checkpoint`` on the model as its checkpoints name it (the checkpoint
+        wrappers set aside while it loads: Lightning's one-file loader would look for their names)."""
+        with without_checkpoint_wrappers(self.lightning_module):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def _patch(self, module: nn.Module, trainer: Any) -> str:
         callback = self._callback_patcher(trainer)
