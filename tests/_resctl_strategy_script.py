@@ -1,6 +1,6 @@
 """ResidualParallelStrategy runs (CPU, gloo, 2 processes) for tests/test_strategy.py.
 
-    python tests/_resctl_strategy_script.py {tp|dp} OUT_DIR
+    python tests/_resctl_strategy_script.py {tp|dp|mesh} OUT_DIR
 
 The model is the fp64 NanoGPT of tests/_resctl_tp_script.py, built in ``configure_model`` and nothing else; each run
 is a Trainer of two SGD steps (with momentum) on :func:`_resctl_tp_script.batch` (the same batch twice: the first
@@ -16,7 +16,8 @@ tests/_resctl_tp_script.py, each block checkpointed; the method from the Trainer
 rank half the batch) with the strategy's own ``method=``, each block checkpointed (and compiled, aot_eager, for
 :data:`COMPILED`), case ``method``; then :data:`RESUMED` stopped after one step, saved (``sharded.ckpt``:
 a distributed checkpoint; ``full.ckpt``: one file) and resumed for the second step by a new Trainer, case
-``("resumed", "sharded" | "full")``.
+``("resumed", "sharded" | "full")``. ``mesh``: 4 processes, ``data_parallel_size=2`` x ``tensor_parallel_size=2``
+(FSDP2 x sequence parallel, each block checkpointed), :data:`MESH_RULE` from the strategy's ``method=``.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ RULES = ("rescontroller", "mgr-competitive", "hc")  # compared with the hand-wri
 EVERY_RULE = tuple(m for m in merge_rules() if m != "mgr")  # sequence parallel ("mgr" is mgr-competitive)
 COMPILED = ("hc",)
 RESUMED = "mgr-competitive"
+MESH_RULE = "hc"
 MOMENTUM = 0.9  # an optimizer state, which a resumed run must get back
 STEPS = 2
 WRAPPED = "_checkpoint_wrapped_module."
@@ -86,9 +88,9 @@ def model_plan(layout: str):
 
 
 def fit(module: GPT, strategy, callbacks=(), distributed_sampler: bool = False, steps: int = STEPS,
-        ckpt_path=None, save_to=None) -> dict:
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=list(callbacks),
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        ckpt_path=None, save_to=None, devices: int = 2) -> dict:
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps,
+                        callbacks=list(callbacks), logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=distributed_sampler)
     trainer.fit(module, ckpt_path=ckpt_path)
     if save_to is not None:
@@ -134,10 +136,17 @@ def run_dp(out: Path) -> dict:
     return result
 
 
+def run_mesh(out: Path) -> dict:
+    """4 processes, a 2 x 2 mesh: FSDP2 over the data-parallel pairs x sequence parallel, each block checkpointed."""
+    strategy = ResidualParallelStrategy(MESH_RULE, plan=model_plan("sp"), activation_checkpointing="blocks",
+                                        data_parallel_size=2, tensor_parallel_size=2, **options(MESH_RULE))
+    return {MESH_RULE: fit(GPT(batch_size=2), strategy, distributed_sampler=True, devices=4)}
+
+
 def main(mode: str, out: Path) -> None:
-    runs = {"tp": run_tp, "dp": run_dp}
+    runs = {"tp": run_tp, "dp": run_dp, "mesh": run_mesh}
     if mode not in runs:
-        raise ValueError(f"mode must be tp or dp, got {mode!r}")
+        raise ValueError(f"mode must be tp, dp or mesh, got {mode!r}")
     result = runs[mode](out)
     rank = next(iter(result.values()))["rank"]
     torch.save(result, out / f"{mode}_rank{rank}.pt")

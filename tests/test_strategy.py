@@ -1,12 +1,13 @@
 """ResidualParallelStrategy (issue 46): the recipe of docs/distributed.md as one Trainer argument.
 
-Two groups of 2 gloo processes run at once (tests/_resctl_strategy_script.py): tensor and sequence parallel, where
-the strategy's run and the hand-written recipe's (``configure_model`` with ``patch_in_configure_model``,
-``parallelize_module``, ``parallelize_residuals``) must give the same parameters after two SGD steps, for
-rescontroller, mgr-competitive and hc; and data parallel (FSDP2 per block and the root, each block checkpointed, hc's
-compiled). Every fp64 run is also compared with the patched model trained in this process by hand. In this process
-(a one-rank process group): the strategy with the whole recipe against a plain Trainer with the callback, and the
-refusals, each naming the argument.
+Three groups of gloo processes run at once (tests/_resctl_strategy_script.py): tensor and sequence parallel (2
+processes), where the strategy's run and the hand-written recipe's (``configure_model`` with
+``patch_in_configure_model``, ``parallelize_module``, ``parallelize_residuals``) must give the same parameters after
+two SGD steps, for rescontroller, mgr-competitive and hc, and every rule sequence parallel; data parallel (2
+processes: FSDP2 per block and the root, each block checkpointed, hc's compiled), with a checkpoint saved and
+resumed; a 2 x 2 mesh (4 processes: FSDP2 x sequence parallel). Every fp64 run is also compared with the patched
+model trained in this process by hand. In this process (a one-rank process group): the strategy with the whole
+recipe against a plain Trainer with the callback, and the refusals, each naming the argument.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from models import PreNormBlock
 from test_combinations_parallel import assert_close
 
 REL = 1e-12  # fp64: the parallel runs sum the same products in another order
+RANKS = {"tp": 2, "dp": 2, "mesh": 4}  # the process groups of tests/_resctl_strategy_script.py, run at once
 
 
 def reference(method: str, steps: int = strategy_script.STEPS) -> dict:
@@ -51,7 +53,7 @@ def runs(tmp_path_factory):
     env.pop("LOCAL_RANK", None)
     procs = {mode: subprocess.Popen([sys.executable, strategy_script.__file__, mode, str(out)], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for mode in ("tp", "dp")}
+             for mode in RANKS}
     references = {method: reference(method) for method in strategy_script.EVERY_RULE}  # meanwhile
     for mode, p in procs.items():
         try:
@@ -61,7 +63,7 @@ def runs(tmp_path_factory):
             log, _ = p.communicate()
         assert p.returncode == 0, f"{mode} run failed:\n{log[-4000:]}"
     loaded = {f"{mode}{r}": torch.load(out / f"{mode}_rank{r}.pt", weights_only=False)
-              for mode in ("tp", "dp") for r in (0, 1)}
+              for mode, ranks in RANKS.items() for r in range(ranks)}
     return {**loaded, "single": references, "out": out}
 
 
@@ -114,6 +116,16 @@ def test_data_parallel_equals_one_process(runs):
         said = runs["dp0"][method]["applied"]
         assert f"{method} patch (strategy)" in said and "FSDP2 over 2 ranks" in said, said
         assert ("compiled one by one" in said) == (method in strategy_script.COMPILED), said
+
+
+def test_the_2x2_mesh_equals_one_process(runs):
+    """4 processes: FSDP2 over the data-parallel pairs x sequence parallel, each block checkpointed: every rank
+    holds one process's parameters after two steps."""
+    method = strategy_script.MESH_RULE
+    for r in range(RANKS["mesh"]):
+        assert_close(runs[f"mesh{r}"][method]["after"], runs["single"][method]["after"], f"{method} rank {r}")
+    said = runs["mesh0"][method]["applied"]
+    assert "sequence parallel (read from the plan)" in said and "FSDP2 over 2 ranks" in said, said
 
 
 def test_a_checkpoint_saved_under_the_strategy_resumes_to_the_uninterrupted_run(runs):
