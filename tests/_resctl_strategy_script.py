@@ -12,7 +12,8 @@ step moves the rule's parameters from their init, the second runs from there). R
 tests/_resctl_tp_script.py, each block checkpointed; the method from the Trainer's ResidualControlCallback) for
 :data:`RULES` (``sp``: :data:`EVERY_RULE`) and, for :data:`RULES`, the hand-written recipe of docs/distributed.md
 (``patch_in_configure_model``, ``parallelize_module``, ``parallelize_residuals`` in ``configure_model``), case
-``(layout, method, "strategy" | "hand")``. ``dp``: ``data_parallel_size=2`` (FSDP2 per block and the root, each
+``(layout, method, "strategy" | "hand")``; ``"diagnostics"``: the callback's last depth profile of
+:data:`OBSERVED`'s sequence-parallel run. ``dp``: ``data_parallel_size=2`` (FSDP2 per block and the root, each
 rank half the batch) with the strategy's own ``method=``, each block checkpointed (and compiled, aot_eager, for
 :data:`COMPILED`), case ``method``; then :data:`RESUMED` stopped after one step, saved (``sharded.ckpt``:
 a distributed checkpoint; ``full.ckpt``: one file) and resumed for the second step by a new Trainer, case
@@ -42,6 +43,8 @@ EVERY_RULE = tuple(m for m in merge_rules() if m != "mgr")  # sequence parallel 
 COMPILED = ("hc",)
 RESUMED = "mgr-competitive"
 MESH_RULE = "hc"
+OBSERVED = "hc"  # its diagnostics recorded under sequence parallel
+OBSERVING = dict(log_every_n_steps=1, per_depth="all", histograms=False, depth_images=False)
 MOMENTUM = 0.9  # an optimizer state, which a resumed run must get back
 STEPS = 2
 WRAPPED = "_checkpoint_wrapped_module."
@@ -108,9 +111,13 @@ def run_tp(out: Path) -> dict:
     result = {}
     for layout in ("tp", "sp"):
         for method in EVERY_RULE if layout == "sp" else RULES:
-            callback = ResidualControlCallback(method=method, **options(method))
+            observed = (layout, method) == ("sp", OBSERVED)
+            callback = ResidualControlCallback(method=method, **options(method), **(OBSERVING if observed else {}),
+                                               dirpath=str(out / "figures") if observed else None)
             strategy = ResidualParallelStrategy(plan=model_plan(layout), activation_checkpointing="blocks")
             result[layout, method, "strategy"] = fit(GPT(), strategy, [callback])
+            if observed:
+                result["diagnostics"] = callback.depth_profile
             if method not in RULES:
                 continue
             callback = ResidualControlCallback(method=method, **options(method))

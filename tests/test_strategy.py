@@ -107,6 +107,22 @@ def test_every_rule_sequence_parallel_under_the_strategy_equals_one_process(runs
             assert_rule_moved_and_ranks_agree(rank0, rank1, want["start"], f"{method} sp")
 
 
+def test_the_callbacks_diagnostics_under_sequence_parallel_equal_one_process(runs, one_rank, tmp_path):
+    """ResidualControlCallback's depth profile of the sequence-parallel run (both ranks) equals a plain Trainer's
+    in one process: ``param_grad_rms`` too, whose branch parameters have sharded (Colwise / Rowwise) and ``Partial``
+    (SequenceParallel norms) gradients — the RMS of the reduced gradient, not of each rank's part."""
+    callback = ResidualControlCallback(method=strategy_script.OBSERVED, **strategy_script.OBSERVING,
+                                       dirpath=str(tmp_path))
+    fit_here(Built(), None, [callback])
+    want = callback.depth_profile
+    for r in (0, 1):
+        got = runs[f"tp{r}"]["diagnostics"]
+        assert got.keys() == want.keys()
+        for family, values in want.items():
+            assert torch.allclose(torch.tensor(got[family]), torch.tensor(values), rtol=1e-10, atol=0,
+                                  equal_nan=True), (family, got[family], values)
+
+
 def test_data_parallel_equals_one_process(runs):
     """data_parallel_size=2 (FSDP2 per block and the root, each rank half the batch, each block checkpointed; hc's
     blocks compiled too), the rule from the strategy's own method=: one process's parameters after two steps."""

@@ -21,9 +21,10 @@ class BranchParameters:
         #: ``params[d]``: the parameters of merge d's branch, once :meth:`finish` ran; None before.
         self.params: list[list[nn.Parameter]] | None = None
         self._hooks: list = []
-        self._pending: dict[int, set] = {}
+        # modules in the order they ran (dicts, not sets: every rank must read the gradients in one order)
+        self._pending: dict[int, dict] = {}
         self._owner_of_site: dict[int, int] = {}
-        self._modules: dict[int, set] = {}
+        self._modules: dict[int, dict] = {}
 
     @property
     def tracing(self) -> bool:
@@ -48,7 +49,7 @@ class BranchParameters:
             self._owner_of_site[id(s)] = id(owner)
 
         def reset(oid: int, *_: Any) -> None:
-            self._pending[oid] = set()
+            self._pending[oid] = {}
 
         for oid, owner in owners.items():
             self._hooks.append(owner.register_forward_pre_hook(functools.partial(reset, oid)))
@@ -60,7 +61,7 @@ class BranchParameters:
                     continue
 
                 def mark(mod: nn.Module, *_: Any, _oid: int = oid) -> None:
-                    self._pending.setdefault(_oid, set()).add(mod)
+                    self._pending.setdefault(_oid, {})[mod] = None
 
                 self._hooks.append(m.register_forward_hook(mark))
 
@@ -68,8 +69,8 @@ class BranchParameters:
         """Merge ``depth`` of ``site`` ran: the modules its block ran since the last merge are its branch."""
         owner = self._owner_of_site.get(id(site))
         if owner is not None:
-            self._modules.setdefault(depth, set()).update(self._pending.get(owner, ()))
-            self._pending[owner] = set()
+            self._modules.setdefault(depth, {}).update(self._pending.get(owner, {}))
+            self._pending[owner] = {}
 
     def finish(self, num_depths: int) -> None:
         """Remove the hooks and fix :attr:`params`."""
@@ -95,20 +96,38 @@ class BranchParameters:
 
     def grad_sums(self) -> list[tuple[torch.Tensor, int]]:
         """Per depth ``(sum of squared gradient entries (fp64, CPU), number of entries)`` of the branch's
-        parameters as they are now (a DTensor gradient contributes its local shard)."""
+        parameters as they are now, each the whole gradient's on every rank (see :func:`grad_sumsq`)."""
         out = []
         for params in self.params or []:
             sumsq = torch.zeros((), dtype=torch.float64)
             count = 0
             for p in params:
-                g = p.grad
-                if g is None:
-                    continue
-                g = g.to_local() if hasattr(g, "to_local") else g
-                sumsq = sumsq + g.detach().double().square().sum().cpu()
-                count += g.numel()
+                if p.grad is not None:
+                    s, n = grad_sumsq(p.grad)
+                    sumsq, count = sumsq + s, count + n
             out.append((sumsq, count))
         return out
+
+
+def grad_sumsq(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(sum of squared entries (fp64, CPU), number of entries)`` of the whole gradient ``grad``, the same on every
+    rank: a plain tensor as it is (under DDP every rank holds the whole); a ``DTensor`` (FSDP2 shards, tensor
+    parallel) reduced first where it is ``Partial`` (sequence parallel: each rank's part of a sum, whose squares do
+    not add up), then its local sums added over the mesh dimensions it is sharded on (a collective: every rank
+    reads the same gradients in the same order). Summed over ranks, as the metrics are, every parameter then counts
+    world-size times, which leaves the RMS as it is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(grad, DTensor):
+        return grad.detach().double().square().sum().cpu(), grad.numel()
+    placements = [Replicate() if p.is_partial() else p for p in grad.placements]
+    if list(placements) != list(grad.placements):
+        grad = grad.redistribute(grad.device_mesh, placements)
+    local = grad.to_local().detach().double().square().sum()
+    for dim, placement in enumerate(placements):
+        if placement.is_shard():
+            torch.distributed.all_reduce(local, group=grad.device_mesh.get_group(dim))
+    return local.cpu(), grad.numel()
 
 
 def _resolve_owner(root: nn.Module, site: Any) -> nn.Module:
