@@ -12,7 +12,8 @@ from torch import nn
 
 from ..surgery.tensor_parallel import tensor_parallel_modules
 
-__all__ = ["check_checkpointing", "check_compile", "checkpointed", "wrap_block", "without_checkpoint_wrappers",
+__all__ = ["check_checkpointing", "check_compile", "checkpointed", "wrap_block", "wrap_blocks",
+           "without_checkpoint_wrappers",
            "parallelized_already", "policy_for_precision"]
 
 
@@ -67,6 +68,22 @@ def wrap_block(block: nn.Module, checkpoint: bool, compile_options: Optional[dic
         return wrapped
     block.compile(**compile_options)
     return checkpoint_wrapper(block) if checkpoint else block
+
+
+def wrap_blocks(module: nn.Module, blocks: list, activation_checkpointing: Any,
+                compile_options: Optional[dict]) -> tuple[list[nn.Module], list[bool]]:
+    """Each ``(path, block)`` of ``module`` compiled and checkpointed as :func:`wrap_block` does, put in its place;
+    the blocks as they now run and which are checkpointed (see :func:`checkpointed`). What the strategy does per
+    block before ``fully_shard`` (``benchmarks/bench_recipe.py`` times it)."""
+    flags = checkpointed(blocks, activation_checkpointing)
+    out = []
+    for (name, block), ckpt in zip(blocks, flags):
+        wrapped = wrap_block(block, ckpt, compile_options)
+        if wrapped is not block:
+            parent, _, attr = name.rpartition(".")
+            module.get_submodule(parent).register_module(attr, wrapped)
+        out.append(wrapped)
+    return out, flags
 
 
 @contextmanager

@@ -23,11 +23,10 @@ from .plan import check_plan_argument, resolve_plan, sequence_parallel_of
 from .recipe import (
     check_checkpointing,
     check_compile,
-    checkpointed,
     parallelized_already,
     policy_for_precision,
     without_checkpoint_wrappers,
-    wrap_block,
+    wrap_blocks,
 )
 
 __all__ = ["ResidualParallelStrategy"]
@@ -240,15 +239,10 @@ class ResidualParallelStrategy(ModelParallelStrategy):
         if self.plan is not None:
             plan = resolve_plan(self.plan, module, tp_mesh)
             said.append(self._tensor_parallel(module, tp_mesh, plan, parallelize_module))
-        flags = checkpointed(blocks, self.activation_checkpointing)
+        wrapped, flags = wrap_blocks(module, blocks, self.activation_checkpointing, self.compile_options)
         policy = self.mp_policy or policy_for_precision(trainer.precision)
-        for (name, block), ckpt in zip(blocks, flags):
-            wrapped = wrap_block(block, ckpt, self.compile_options)
-            if wrapped is not block:
-                parent, _, attr = name.rpartition(".")
-                module.get_submodule(parent).register_module(attr, wrapped)
-            if shard:
-                fully_shard(wrapped, mesh=dp_mesh, mp_policy=policy)
+        for block in wrapped if shard else ():
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy)
         if shard:
             fully_shard(module, mesh=dp_mesh, mp_policy=policy)
             _steps_gather_the_root(module)
