@@ -219,6 +219,33 @@ def test_an_observing_callback_leaves_the_patch_to_the_strategy(one_rank, tmp_pa
     assert {s.method for s in merge_sites(module)} == {"mgr-competitive"}
 
 
+def test_compare_runs_under_the_strategy_from_the_yaml(one_rank, tmp_path, caplog):
+    """``lightning-resctl compare`` with ``trainer.strategy`` in its YAML (class_path / init_args): every run of the
+    job trains under ResidualParallelStrategy, the compare job's callback giving the method."""
+    import yaml
+
+    from lightning_resctl.compare import cli
+
+    config = {"model": {"class_path": "compare_toy.ToyLM", "init_args": {"dim": 16, "depth": 2}},
+              "data": {"class_path": "compare_toy.ToyData", "init_args": {"train_size": 16}},
+              "trainer": {"max_steps": 2, "val_check_interval": 2, "check_val_every_n_epoch": None,
+                          "log_every_n_steps": 1, "accelerator": "cpu", "devices": 1,
+                          "strategy": {"class_path": "lightning_resctl.ResidualParallelStrategy",
+                                       "init_args": {"activation_checkpointing": "blocks",
+                                                     "block_cls": "torch.nn.Sequential"}}},
+              "compare": {"methods": ["plain", "mgr-competitive"], "seeds": 1, "cost_rounds": 1, "cost_warmup": 1,
+                          "threads": 1, "depth_images": False, "progress_bar": False, "checkpoint_every_min": 0}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    with caplog.at_level("INFO", logger="lightning_resctl"), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LIGHTNING_RESCTL_COMPILE", "0")
+        assert cli.main(["--config", str(path), "--out", str(tmp_path / "out")]) == 0
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ResidualParallelStrategy:")]
+    assert any(line.startswith("ResidualParallelStrategy: mgr-competitive patch (callback)") for line in said), said
+    assert all("2 blocks (Sequential), 2 checkpointed" in line for line in said) and len(said) >= 2, said
+    assert (tmp_path / "out" / "summary.json").is_file()
+
+
 class ParallelizesItself(strategy_script.GPT):
     def configure_model(self):
         from torch.distributed.fsdp import fully_shard
@@ -278,12 +305,13 @@ def test_wrong_inputs_are_refused_naming_the_argument(one_rank, case):
     (dict(activation_checkpointing=0), ValueError, "activation_checkpointing must be"),
     (dict(compile="yes"), TypeError, "compile must be True, False or a dict"),
     (dict(block_cls=3), TypeError, "block_cls must be an nn.Module class"),
+    (dict(block_cls="torch.nn.Nope"), TypeError, "block_cls='torch.nn.Nope' names no importable class"),
     (dict(tensor_parallel_size=2), ValueError, "tensor_parallel_size=2 without a plan"),
     (dict(sequence_parallel=True), ValueError, "sequence_parallel=True without a plan"),
     (dict(method="nope"), ValueError, "registered merge rule"),
     (dict(method="mgr", streams=-1), ValueError, "streams"),
-], ids=["plan-type", "plan-style", "ckpt-name", "ckpt-zero", "compile", "block-cls", "tp-no-plan", "sp-no-plan",
-        "method", "option"])
+], ids=["plan-type", "plan-style", "ckpt-name", "ckpt-zero", "compile", "block-cls", "block-path", "tp-no-plan",
+        "sp-no-plan", "method", "option"])
 def test_arguments_are_checked_on_construction(kwargs, error, message):
     with pytest.raises(error, match=message):
         ResidualParallelStrategy(**kwargs)

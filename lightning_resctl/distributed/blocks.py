@@ -4,6 +4,7 @@ or a predicate ``(name, module) -> bool``) overrides. Each block is what the str
 shards on its own."""
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from torch import nn
@@ -13,15 +14,22 @@ from ..surgery import MergeSite
 __all__ = ["check_block_cls", "find_blocks"]
 
 
-def check_block_cls(block_cls: Any) -> None:
-    """``block_cls`` must be None, an ``nn.Module`` subclass, a tuple of them, or a callable predicate."""
+def check_block_cls(block_cls: Any) -> Any:
+    """``block_cls`` as :func:`find_blocks` takes it: None, an ``nn.Module`` subclass (or its dotted path, the
+    YAML form: ``"torch.nn.Sequential"``), a tuple of them, or a callable predicate; TypeError otherwise."""
     if block_cls is None:
-        return
+        return None
+    if isinstance(block_cls, str):
+        module_name, _, name = block_cls.rpartition(".")
+        try:
+            block_cls = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError, ValueError):
+            raise TypeError(f"block_cls={block_cls!r} names no importable class ('package.module.Class')") from None
     classes = block_cls if isinstance(block_cls, tuple) else (block_cls,)
     if all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes) and classes:
-        return
+        return block_cls
     if not isinstance(block_cls, (type, tuple)) and callable(block_cls):
-        return
+        return block_cls
     raise TypeError(f"block_cls must be an nn.Module class, a tuple of them or a predicate (name, module) -> bool, "
                     f"got {block_cls!r}")
 

@@ -73,7 +73,8 @@ class ResidualParallelStrategy(ModelParallelStrategy):
         activation_checkpointing: None (off), ``"blocks"``, every k-th block (an int: blocks 0, k, 2k, ...) or a
             predicate ``(name, block) -> bool``.
         compile: False, True (``block.compile()``) or a dict of ``torch.compile`` options.
-        block_cls: a class, a tuple of classes or a predicate ``(name, module) -> bool`` naming the blocks.
+        block_cls: a class (or its dotted path), a tuple of classes or a predicate ``(name, module) -> bool``
+            naming the blocks.
         mp_policy: FSDP2's ``MixedPrecisionPolicy`` (default: bf16 / fp16 parameters and fp32 reductions under
             ``precision="bf16-mixed"`` / ``"16-mixed"``, else none).
         data_parallel_size, tensor_parallel_size: the mesh (``"auto"``: one tensor-parallel group of every process of
@@ -119,7 +120,6 @@ class ResidualParallelStrategy(ModelParallelStrategy):
             raise ValueError(f"sequence_parallel={sequence_parallel!r} without a plan: the residual stream is "
                              "sharded only by a tensor-parallel plan (give plan=)")
         check_checkpointing(activation_checkpointing)
-        check_block_cls(block_cls)
         if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
             raise TypeError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got "
                             f"{type(mp_policy).__name__}")
@@ -132,7 +132,7 @@ class ResidualParallelStrategy(ModelParallelStrategy):
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
         self.compile_options = check_compile(compile)
-        self.block_cls = block_cls
+        self.block_cls = check_block_cls(block_cls)
         self.mp_policy = mp_policy
         #: the line said on rank zero once the recipe was applied (None before)
         self.applied: Optional[str] = None
