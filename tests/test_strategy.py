@@ -210,6 +210,32 @@ def test_one_process_whole_recipe_equals_a_plain_trainer(one_rank):
     torch._dynamo.reset()
 
 
+def test_fullgraph_blocks_with_the_checkpoint_inside_equal_a_plain_trainer(one_rank):
+    """compile={"fullgraph": True} with checkpointing: the checkpoint goes inside each compiled block (the only order
+    where a chain rule compiles in one graph; around it, hc is refused when the block first compiles), and hc trains
+    to the plain Trainer's parameters."""
+    torch._dynamo.reset()
+    strategy = ResidualParallelStrategy("hc", activation_checkpointing="blocks",
+                                        compile={"backend": "eager", "fullgraph": True})
+    module = Built()
+    got = fit_here(module, strategy)
+    assert_close(got, reference("hc")["after"], "fullgraph blocks vs by hand")
+    assert all(type(b).__name__ == "CheckpointWrapper" and b._compiled_call_impl is not None for b in module.model.h)
+    torch._dynamo.reset()
+
+
+def test_which_blocks_are_checkpointed_and_the_precision_policy():
+    from lightning_resctl.distributed.recipe import checkpointed, policy_for_precision
+
+    blocks = [(f"h.{i}", nn.Linear(2, 2)) for i in range(5)]
+    assert checkpointed(blocks, None) == [False] * 5 and checkpointed(blocks, "blocks") == [True] * 5
+    assert checkpointed(blocks, 2) == [True, False, True, False, True]
+    assert checkpointed(blocks, lambda name, block: name.endswith("3")) == [False, False, False, True, False]
+    bf16 = policy_for_precision("bf16-mixed")
+    assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert policy_for_precision("32-true").param_dtype is None and policy_for_precision("bf16-true").param_dtype is None
+
+
 def test_an_observing_callback_leaves_the_patch_to_the_strategy(one_rank, tmp_path):
     """ResidualControlCallback() (method=None: observe) with ResidualParallelStrategy("mgr-competitive"): the
     strategy's rule is patched (the observer would otherwise patch "add" first, to find the merges)."""
