@@ -5,8 +5,9 @@
 
 The 12-layer nanoGPT of ``lightning_resctl/compare/nanogpt.py`` (C=256, 4 heads, T=64, batch 8 unless given), in
 one process on CPU, fp32, built as the recipe builds it: patched with ``patch_residuals`` (plain: not patched),
-then each block compiled on its own (``block.compile(backend=...)``), then each compiled block wrapped in
-``checkpoint_wrapper`` (non-reentrant ``torch.utils.checkpoint`` around the compiled block). One training step
+then, by ResidualParallelStrategy's own per-block code (``lightning_resctl.distributed.recipe.wrap_blocks``), each
+block compiled on its own (``block.compile(backend=...)``) and wrapped in ``checkpoint_wrapper`` (non-reentrant
+``torch.utils.checkpoint`` around the compiled block). One training step
 (forward, next-token loss, backward, AdamW) of every variant, interleaved, median wall clock over ``--reps`` after
 the first step (its compile time, shown apart) and ``--warmup`` steps; peak memory: the allocator's peak over the
 forward and backward of one loss beyond what it held before (``torch.profiler`` memory events, as
@@ -23,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch._dynamo
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,19 +31,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_checkpoint_memory import allocator_figures  # noqa: E402
 from bench_scaling import _names, default_rules  # noqa: E402
 from benchmarks.models import NanoGPT, add_step_arguments  # noqa: E402
+from lightning_resctl.distributed.blocks import find_blocks  # noqa: E402
+from lightning_resctl.distributed.recipe import wrap_blocks  # noqa: E402
 from step_bench import build_rows, ratio, rule_installer, time_interleaved  # noqa: E402
 
 MIB = 2 ** 20
 
 
 def recipe(install, backend: str):
-    """An installer: ``install`` (the patch, or nothing for plain), each block compiled, then checkpointed."""
+    """An installer: ``install`` (the patch, or nothing for plain), then what ResidualParallelStrategy does per
+    block (its blocks found as it finds them, each compiled, then checkpointed around the compiled block)."""
 
     def build(model):
         model = install(model) if install is not None else model
-        for i, block in enumerate(model.h):
-            block.compile(backend=backend)
-            model.h[i] = checkpoint_wrapper(block)
+        wrap_blocks(model, find_blocks(model), "blocks", {"backend": backend})
         return model
     return build
 

@@ -57,6 +57,7 @@ _EXPORTS = {
     "ResidualControlCallback": "callbacks",
     "ResidualAblationCallback": "callbacks",
     "patch_in_configure_model": "callbacks",
+    "ResidualParallelStrategy": "distributed",
     "ResidualMonitor": "diagnostics",
     "ablate": "diagnostics",
     "wait_for_compiles": "runtime.regions",

@@ -22,8 +22,8 @@ from lightning_resctl.rules import get_merge_rule
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_resctl"
 RUNTIME = ("backends", "triton", "autograd", "tracer", "regions", "background", "memory", "log", "lazy")
 #: what sits above the runtime (rescontroller / mgr / metrics: rules still at the package root on some branches)
-ABOVE_RUNTIME = ("rules", "surgery", "callbacks", "diagnostics", "compare", "rescontroller", "mgr", "metrics",
-                 "plots", "testing")
+ABOVE_RUNTIME = ("rules", "surgery", "callbacks", "diagnostics", "distributed", "compare", "rescontroller", "mgr",
+                 "metrics", "plots", "testing")
 
 # The package module without running its __init__ (which imports the public API, rules included): what is imported
 # is what the runtime module itself pulls in.
@@ -172,7 +172,7 @@ def test_each_rule_has_one_home():
 
 
 # a module's layer is the first part of its path under lightning_resctl/; higher imports lower, never upward
-LAYERS = ("runtime", "rules", "surgery", "diagnostics", "callbacks", "compare")
+LAYERS = ("runtime", "rules", "surgery", "diagnostics", "callbacks", "distributed", "compare")
 # top-level packages outside the layer folders -> the layer they belong to
 TOP_LEVEL = {"kernels": "runtime"}
 EXEMPT = {"__init__", "__main__"}  # the package's front door imports every layer

@@ -35,6 +35,9 @@ PRINTS = {
                   "report: lightning_resctl.get_patch_report(model)",
                   "torch.Size([2, 10, 64])", "['resctl/alpha_mean/00', 'resctl/alpha_mean/02']"],
     "docs/lightning.md": ["True"],
+    "docs/distributed.md": ["ResidualParallelStrategy: mgr patch (callback) · tensor parallel (read from the plan), "
+                            "rule parameters on the mesh, 2 plan entries over 1 rank · 2 blocks (Block), 2 "
+                            "checkpointed · no FSDP2 (1 data-parallel rank)"],
     "docs/fabric.md": ["4 4"],
     "docs/transformers.md": ["True"],
     "docs/rules/your_own.md": ["3 {'scale': 0.25}"],

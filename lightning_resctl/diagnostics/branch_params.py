@@ -97,20 +97,38 @@ class BranchParameters:
 
     def grad_sums(self) -> list[tuple[torch.Tensor, int]]:
         """Per depth ``(sum of squared gradient entries (fp64, CPU), number of entries)`` of the branch's
-        parameters as they are now (a DTensor gradient contributes its local shard)."""
+        parameters as they are now, each the whole gradient's on every rank (see :func:`grad_sumsq`)."""
         out = []
         for params in self.params or []:
             sumsq = torch.zeros((), dtype=torch.float64)
             count = 0
             for p in params:
-                g = p.grad
-                if g is None:
-                    continue
-                g = g.to_local() if hasattr(g, "to_local") else g
-                sumsq = sumsq + g.detach().double().square().sum().cpu()
-                count += g.numel()
+                if p.grad is not None:
+                    s, n = grad_sumsq(p.grad)
+                    sumsq, count = sumsq + s, count + n
             out.append((sumsq, count))
         return out
+
+
+def grad_sumsq(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(sum of squared entries (fp64, CPU), number of entries)`` of the whole gradient ``grad``, the same on every
+    rank: a plain tensor as it is (under DDP every rank holds the whole); a ``DTensor`` (FSDP2 shards, tensor
+    parallel) reduced first where it is ``Partial`` (sequence parallel: each rank's part of a sum, whose squares do
+    not add up), then its local sums added over the mesh dimensions it is sharded on (a collective: every rank
+    reads the same gradients in the same order). Summed over ranks, as the metrics are, every parameter then counts
+    world-size times, which leaves the RMS as it is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(grad, DTensor):
+        return grad.detach().double().square().sum().cpu(), grad.numel()
+    placements = [Replicate() if p.is_partial() else p for p in grad.placements]
+    if list(placements) != list(grad.placements):
+        grad = grad.redistribute(grad.device_mesh, placements)
+    local = grad.to_local().detach().double().square().sum()
+    for dim, placement in enumerate(placements):
+        if placement.is_shard():
+            torch.distributed.all_reduce(local, group=grad.device_mesh.get_group(dim))
+    return local.cpu(), grad.numel()
 
 
 def _resolve_owner(root: nn.Module, site: Any) -> nn.Module:

@@ -118,8 +118,9 @@ class GradStats(DepthMetric):
     """Gradient RMS per depth: of the stream entering merge d and of its branch's parameters.
 
     Both are ``sqrt(sum g^2 / N)``; under DDP the parameter gradients are identical on every
-    rank, so summing sums and counts over ranks leaves the RMS unchanged; under FSDP each rank
-    adds its local shard. Stream gradients are those of each rank's own loss.
+    rank, so summing sums and counts over ranks leaves the RMS unchanged; under FSDP and tensor /
+    sequence parallel each rank adds the whole gradient's sums too (``branch_params.grad_sumsq``).
+    Stream gradients are those of each rank's own loss.
     """
 
     def __init__(self, num_depths: int, **kwargs) -> None:

@@ -71,7 +71,7 @@ def patch_residuals(model: nn.Module, method: Any = "rescontroller", example_inp
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    method, method_options = _method_and_options(method, method_options)
+    method, method_options = method_and_options(method, method_options)
     rule = make_rule(method, method_options)
     check_model(model, rule)
     refuse_adapter_without_its_rule(model)
@@ -115,7 +115,7 @@ def patch_residuals(model: nn.Module, method: Any = "rescontroller", example_inp
     return report
 
 
-def _method_and_options(method: Any, method_options: dict) -> tuple:
+def method_and_options(method: Any, method_options: dict) -> tuple:
     """``(name, options)`` of the ``method`` patch_residuals got: a rule's name with its keyword options as they
     are, or a rule's config dataclass as the name it is registered under and its fields as options."""
     if isinstance(method, str) or not dataclasses.is_dataclass(method) or isinstance(method, type):

@@ -136,7 +136,7 @@ class ResidualPatcher:
       patch is removed at :meth:`teardown` (:attr:`owns_patch`). A patcher with a method always leaves its
       patch on the model (the weights it adds are trained).
     * An observing patcher defers to a patcher with a method held by another callback of the same Trainer
-      (whatever the callback order), so two callbacks never patch one model twice.
+      (whatever the callback order) or by its strategy, so two never patch one model twice.
     * :meth:`teardown` restores ``configure_model`` and removes the observation patch it owns.
 
     ``method`` and ``options`` are checked on construction (an unknown method or option raises here, not
@@ -176,10 +176,11 @@ class ResidualPatcher:
         return p if isinstance(p, ResidualPatcher) else None
 
     def _defers(self, trainer: Any) -> bool:
-        """An observing patcher leaves the patch to another callback's patcher that has a method."""
+        """An observing patcher leaves the patch to another callback's patcher that has a method, or to the strategy's
+        (``ResidualParallelStrategy(method=...)``)."""
         if self.method is not None:
             return False
-        for cb in getattr(trainer, "callbacks", None) or []:
+        for cb in [*(getattr(trainer, "callbacks", None) or []), getattr(trainer, "strategy", None)]:
             other = ResidualPatcher.of(cb)
             if other is not None and other is not self and other.method is not None:
                 return True
