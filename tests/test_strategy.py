@@ -171,10 +171,15 @@ def test_the_full_checkpoint_loads_into_a_single_process_patched_model(runs):
 # ---------------------------------------------------------------------------------------------- in this process
 @pytest.fixture(scope="module")
 def one_rank():
-    """The Trainers of this module run in this process on a one-rank gloo group, destroyed at the end."""
+    """The Trainers of this module run in this process on a one-rank gloo group, destroyed at the end, with the
+    environment put back (Lightning sets MASTER_PORT and the like there: a later test's subprocess would inherit a
+    port this process took)."""
+    saved = dict(os.environ)
     yield
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 class Built(strategy_script.GPT):
