@@ -255,7 +255,7 @@ class ChainEnd:
                 "not run in this forward, so the chain's output was never produced. A stream-carrying rule needs "
                 f"the same merges in every forward of one mode. {SWITCHED_LINES}")
         if counts:
-            wrong = "; ".join(f"{site.location} ({site.source_line!r}) ran {n} times, observed "
+            wrong = "; ".join(f"{site.path or 'root'}: {site.location} ({site.source_line!r}) ran {n} times, observed "
                               f"{len(site.mode_positions.get(mode, site.positions))}" for site, n in counts)
             raise RuntimeError(
                 f"residual chain {run.index} produced its output, but its merges did not run as observed in "
