@@ -121,8 +121,7 @@ class ChainRun:
     ``expected``: ``{"train": positions, "eval": positions}`` — the merges observed to run in each mode (a
     mode without an entry expects the training ones); ``sites``: per position, where its merge is
     ("module path: file:line", for error messages). ``members``: the chain's merge sites (each counts its own runs
-    in a forward, ``site.calls_in_forward``, which :meth:`reset` clears: a count the site reads while dynamo traces
-    it is the same in every block, where a count keyed by the site would be another value, a guard, per block)."""
+    in a forward, ``site.calls_in_forward``, cleared by :meth:`reset`: the same value, no guard, in every block)."""
 
     def __init__(self, index: int, num_merges: int, expected: dict, sites: tuple = (), members: tuple = ()) -> None:
         self.index = index
@@ -148,10 +147,6 @@ class ChainRun:
         self.lead: Any = None     # the chain's leading shape (the stream's, features last)
         for site in getattr(self, "members", ()):
             site.calls_in_forward = 0
-
-    def runs_in_forward(self) -> int:
-        """How many merges of the chain ran in this forward (the members' counts)."""
-        return sum(site.calls_in_forward for site in self.members)
 
     def first_expected(self, training: bool) -> int:
         """The position the chain starts at in this mode (``num_merges``: none runs)."""
@@ -206,8 +201,7 @@ class ChainRun:
 
 
 class ChainStart:
-    """Forward pre-hook of a chain's owner: a new forward starts a new chain run (and the sites' positions are those
-    of the chain module that runs)."""
+    """Forward pre-hook of a chain's owner: a new forward starts a new chain run, on the chain module that runs."""
 
     def __init__(self, run: ChainRun) -> None:
         self.run = run
@@ -227,40 +221,31 @@ class ChainEnd:
         self.run = run
 
     def __call__(self, module, args, output):
-        run = self.run
-        ran = run.runs_in_forward()
-        unfinished = ran > 0 and not run.done
-        mode = "train" if module.training else "eval"
+        run, mode = self.run, ("train" if module.training else "eval")
+        ran = sum(s.calls_in_forward for s in run.members)
+        where, last, name, done = run.last_site, run.last, type(module).__name__, run.done
         expected = run.expected.get(mode, run.expected.get("train", ()))
-        none = ran == 0 and len(expected) > 0
-        where, last = run.last_site, run.last
-        miscounted = [site for site in run.members if run.done
-                      and site.calls_in_forward != len(site.mode_positions.get(mode, site.positions))]
-        counts = [(site, site.calls_in_forward) for site in miscounted]
+        observed = {site: len(site.mode_positions.get(mode, site.positions)) for site in run.members}
+        wrong = "; ".join(f"{site.path or 'root'}: {site.location} ({site.source_line!r}) ran {site.calls_in_forward} "
+                          f"times, observed {n}" for site, n in observed.items() if site.calls_in_forward != n)
         run.reset()
+        mode, fix = ("training" if module.training else "eval"), f"the same merges in every forward. {SWITCHED_LINES}"
         if output is None:
             return
-        if none:
+        if ran == 0 and expected:
             raise RuntimeError(
-                f"residual chain {run.index} ran none of its {len(expected)} merges observed in "
-                f"{'training' if module.training else 'eval'} mode (the first: {run.site(expected[0])}) in this "
-                f"forward of {type(module).__name__}: the chain's output was never produced, and the model's "
-                "additions did not go through the rule. A stream-carrying rule needs the same merges in every "
-                f"forward of one mode. {SWITCHED_LINES}")
-        if unfinished:
+                f"residual chain {run.index} ran none of its {len(expected)} merges observed in {mode} mode (the "
+                f"first: {run.site(expected[0])}) in this forward of {name}: the chain's output was never produced, "
+                f"and the model's additions did not go through the rule. A stream-carrying rule needs {fix}")
+        if ran > 0 and not done:
             after = f"merge {last} (site {where})" if last >= 0 else f"{ran} merges"
             raise RuntimeError(
-                f"residual chain {run.index} stopped after {after} of {run.num_merges}: the "
-                f"merges that were observed to follow it in {'training' if module.training else 'eval'} mode did "
-                "not run in this forward, so the chain's output was never produced. A stream-carrying rule needs "
-                f"the same merges in every forward of one mode. {SWITCHED_LINES}")
-        if counts:
-            wrong = "; ".join(f"{site.path or 'root'}: {site.location} ({site.source_line!r}) ran {n} times, observed "
-                              f"{len(site.mode_positions.get(mode, site.positions))}" for site, n in counts)
-            raise RuntimeError(
-                f"residual chain {run.index} produced its output, but its merges did not run as observed in "
-                f"{'training' if module.training else 'eval'} mode: {wrong}. A stream-carrying rule needs the same "
-                f"merges in every forward of one mode. {SWITCHED_LINES}")
+                f"residual chain {run.index} stopped after {after} of {run.num_merges}: the merges that were observed "
+                f"to follow it in {mode} mode did not run in this forward, so the chain's output was never produced. "
+                f"A stream-carrying rule needs {fix}")
+        if wrong:
+            raise RuntimeError(f"residual chain {run.index} produced its output, but its merges did not run as "
+                               f"observed in {mode} mode: {wrong}. A stream-carrying rule needs {fix}")
 
 
 def enter_chain(site: nn.Module, run: ChainRun, stream: torch.Tensor, origin: torch.Tensor,
@@ -292,11 +277,9 @@ def enter_chain(site: nn.Module, run: ChainRun, stream: torch.Tensor, origin: to
 
 
 def enter_chain_traced(site: nn.Module, run: ChainRun, stream: torch.Tensor) -> tuple:
-    """:func:`enter_chain` of a merge dynamo traces outside any checkpointed region (a block compiled on its own, or
-    the whole model): the same return, read without a per-merge Python value (its position, the chain's last
-    position), so that identical blocks compiled one by one share one graph. The site's run count selects its
-    position; a merge that runs more often than observed, before the chain's first merge or after its output raises
-    here, one that did not run as observed at the end of the owner's forward (:class:`ChainEnd`)."""
+    """:func:`enter_chain` of a merge dynamo traces outside checkpointed regions (a block compiled on its own, the
+    whole model), reading no per-merge Python value (a guard per block): the site's run count selects its position;
+    a merge out of order raises here or, one that did not run as observed, at the owner's end (:class:`ChainEnd`)."""
     site._mark_ran()
     if not torch.is_grad_enabled() and site.training:
         site._refuse_reentrant(stream, run)
@@ -309,12 +292,10 @@ def enter_chain_traced(site: nn.Module, run: ChainRun, stream: torch.Tensor) -> 
     site.calls_in_forward = n + 1
     state = run.state
     if run.done or (state is None) != at.first:
-        what = "after the chain's output" if run.done else (
-            "before the chain's first merge" if state is None else "where the chain starts, but the chain ran before")
-        raise RuntimeError(
-            f"the merge at {site.location} ({site.path or 'root'}: {site.source_line!r}) of residual chain "
-            f"{site.chain} ran {what} in this forward: a stream-carrying rule needs each merge once per forward, in "
-            f"the order observed when the model was patched. {SWITCHED_LINES}")
+        what = "after the chain's output" if run.done else "before its first merge" if state is None else "after others"
+        raise RuntimeError(f"the merge at {site.location} ({site.path or 'root'}: {site.source_line!r}) of residual "
+                           f"chain {site.chain} ran {what} in this forward: a stream-carrying rule needs each merge "
+                           f"once per forward, in the order observed when the model was patched. {SWITCHED_LINES}")
     return None, state, at, run.lead, training
 
 
@@ -322,8 +303,8 @@ def leave_chain(site: nn.Module, run: ChainRun, phase: Optional[str], at: nn.Mod
                 training: bool, h: torch.Tensor) -> None:
     """The bookkeeping after merge ``at`` of a chain returned ``h`` and the chain's ``state`` read next (by merge
     ``at.next_k``). The live run moves on, except in a recomputation, where the next merge of the recomputed region
-    finds that state by the tensor ``h`` its stream operand is. ``phase`` as in :func:`enter_chain`; None: the merge
-    was traced outside any checkpointed region (its position is not read: :func:`enter_chain_traced`)."""
+    finds that state by the tensor ``h`` its stream operand is. ``phase`` as in :func:`enter_chain`; None: traced
+    outside checkpointed regions (:func:`enter_chain_traced`)."""
     if phase == "now":
         phase = _checkpoint_phase()
     if phase == "recompute":
@@ -442,9 +423,8 @@ _GRAPH_BREAK = (
 def _enter_chain_at_a_graph_break(site: nn.Module, run: ChainRun, stream: torch.Tensor, origin: torch.Tensor,
                                   phase: Optional[str]) -> tuple:
     """:func:`enter_chain` for a block compiled on its own inside a checkpointed region, at its graph break. A rule
-    whose merges run by their positions (``ChainPosition.shares_graphs`` False: ``attnres``, ``attnres-block``,
-    a rule registered without its own positions) compiles a graph per merge position there, so a recompile limit
-    below the chain's merges runs the blocks past it eagerly, with dynamo's terse warning only: named here."""
+    whose merges run by their positions (``ChainPosition.shares_graphs`` False: ``attnres``) compiles a graph per
+    position, so a recompile limit below the chain's merges runs the blocks past it eagerly: named here."""
     out = enter_chain(site, run, stream, origin, phase)
     limit = torch._dynamo.config.recompile_limit
     if not out[2].shares_graphs and run.num_merges >= limit and not run.__dict__.get("_warned_recompile_limit"):
