@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-command GPU check of lightning_resctl (<= ~10 minutes on one H100/H200-class GPU).
+# One-command GPU check of lightning_resctl (<= ~12.5 minutes on one H100/H200-class GPU).
 #
 #   bash benchmarks/gpu_check.sh             # run every step, write one markdown report (its path is printed)
 #   bash benchmarks/gpu_check.sh --dry-run   # list the steps, run nothing
@@ -22,11 +22,14 @@
 #   6 bench-compiled  the same step under a whole-model torch.compile, mode "default" and "reduce-overhead" (CUDA
 #                     graphs), for plain, rescontroller and mgr n=4 competitive: ratio to compiled plain, vs the
 #                     eager step, compile time
+#   7 bench-recipe    the at-scale recipe (each block compiled on its own, checkpointed, bf16 autocast), GPT-2-small
+#                     width at 12 and 24 layers (batch 4 x 1024 tokens): unique graphs, first step (compile), step time
+#                     and peak memory of mgr-competitive and hc vs plain (benchmarks/bench_recipe.py --layers)
 # Without CUDA it says so and exits 0. REPORT=path overrides the report path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STEPS=(kernel-tests kernels-aot bench-rescontroller bench-mgr bench-peers bench-compiled)
+STEPS=(kernel-tests kernels-aot bench-rescontroller bench-mgr bench-peers bench-compiled bench-recipe)
 GPT2_SMALL="--device cuda --dtype bf16 --layers 12 --C 768 --heads 12 --T 1024 --batch 8 --vocab 50304"
 declare -A CMD=(
   [kernel-tests]="env TRITON_INTERPRET=0 LIGHTNING_RESCTL_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider tests/test_mgr_kernels.py -k device_"
@@ -35,8 +38,9 @@ declare -A CMD=(
   [bench-mgr]="env TRITON_INTERPRET=0 python benchmarks/bench_mgr.py --streams 4 8 --dims 768 2048"
   [bench-peers]="env TRITON_INTERPRET=0 python benchmarks/bench_peers.py $GPT2_SMALL --reps 10 --warmup 2 --compile none"
   [bench-compiled]="env TRITON_INTERPRET=0 python benchmarks/bench_peers.py $GPT2_SMALL --reps 10 --warmup 2 --only 'rescontroller,mgr n=4 competitive' --compile default,reduce-overhead"
+  [bench-recipe]="env TRITON_INTERPRET=0 python benchmarks/bench_recipe.py --device cuda --dtype bf16 --layers 12 24 --C 768 --heads 12 --T 1024 --batch 4 --vocab 50304 --reps 5 --warmup 1 --rules mgr-competitive,hc"
 )
-declare -A LIMIT=([kernel-tests]=150 [kernels-aot]=60 [bench-rescontroller]=60 [bench-mgr]=60 [bench-peers]=120 [bench-compiled]=150)
+declare -A LIMIT=([kernel-tests]=150 [kernels-aot]=60 [bench-rescontroller]=60 [bench-mgr]=60 [bench-peers]=120 [bench-compiled]=150 [bench-recipe]=150)
 
 if [[ "${1:-}" == "--dry-run" ]]; then
   echo "gpu_check steps (dry run, nothing executed):"

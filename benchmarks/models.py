@@ -119,10 +119,13 @@ def wire_hyper_connections(model: NanoGPT, kind: str = "hc", streams: int = 4) -
     return model
 
 
-def add_step_arguments(parser, *, layers: int = 12, C: int = 256, reps: int = 15) -> None:
+def add_step_arguments(parser, *, layers: int = 12, C: int = 256, reps: int = 15, depths: bool = False) -> None:
     """The benchmarks' shared flags for one nanoGPT training step: shape (layers, C, heads, T, batch, vocab)
-    and repetitions (reps, warmup)."""
-    parser.add_argument("--layers", type=int, default=layers)
+    and repetitions (reps, warmup); ``depths``: ``--layers`` takes a list of depths (e.g. ``--layers 12 24 48``)."""
+    if depths:
+        parser.add_argument("--layers", type=int, nargs="+", default=[layers])
+    else:
+        parser.add_argument("--layers", type=int, default=layers)
     parser.add_argument("--C", type=int, default=C)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--T", type=int, default=64)

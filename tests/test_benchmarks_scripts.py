@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-STEPS = ["kernel-tests", "kernels-aot", "bench-rescontroller", "bench-mgr", "bench-peers", "bench-compiled"]
+STEPS = ["kernel-tests", "kernels-aot", "bench-rescontroller", "bench-mgr", "bench-peers", "bench-compiled",
+         "bench-recipe"]
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -28,11 +29,12 @@ def test_dry_run_lists_the_steps_in_order():
     listed = re.findall(r"^(\d+)\. (\S+) \(limit (\d+) s\): (.+)$", res.stdout, flags=re.M)
     assert [name for _, name, _, _ in listed] == STEPS
     assert [int(i) for i, _, _, _ in listed] == list(range(1, len(STEPS) + 1))
-    assert sum(int(limit) for _, _, limit, _ in listed) <= 10 * 60  # the whole check fits in 10 minutes
+    assert sum(int(limit) for _, _, limit, _ in listed) <= 750  # the whole check fits in 12.5 minutes
     cmds = {name: cmd for _, name, _, cmd in listed}
     assert "TRITON_INTERPRET=0" in cmds["kernel-tests"] and "-k device_" in cmds["kernel-tests"]
     assert "--dtype bf16" in cmds["bench-peers"] and "--T 1024" in cmds["bench-peers"]
     assert "--T 1024" in cmds["bench-compiled"] and "--compile default,reduce-overhead" in cmds["bench-compiled"]
+    assert "--layers 12 24" in cmds["bench-recipe"] and "--device cuda" in cmds["bench-recipe"]
     assert "--arch device" in cmds["kernels-aot"]  # the prediction for the architecture the benchmarks measure
     assert "nothing executed" in res.stdout
 

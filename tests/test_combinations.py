@@ -325,13 +325,14 @@ def test_a_checkpointed_blocks_recomputation_runs_the_graphs_its_forward_ran(met
 
 
 def test_a_recompile_limit_below_the_chains_merges_is_named_with_the_value_to_set():
-    """Each merge position compiles a graph of its own in a checkpointed block compiled on its own: a recompile limit
-    below the chain's merges runs the blocks past it eagerly, which the user learns from a warning naming the
-    setting and a value; the default limit over this model's 4 merges warns nothing."""
+    """A rule whose merges run by their positions (attnres-block) compiles a graph per merge position in a checkpointed
+    block compiled on its own: a recompile limit below the chain's merges runs the blocks past it eagerly, which the
+    user learns from a warning naming the setting and a value. A rule whose merges share their graphs (hc) warns
+    nothing under the same limit."""
     torch._dynamo.reset()
-    model, ref = patched_pair("hc", "ckpt-first")
+    model, ref = patched_pair("attnres-block", "ckpt-first")
     run, _ = compiled(model, "per-block")
-    with pytest.warns(UserWarning, match=r"has 4 merges.*recompile_limit is 3.*recompile_limit = 8"):
+    with pytest.warns(UserWarning, match=r"has 4 merges.*attnres-block.*recompile_limit is 3.*recompile_limit = 8"):
         with torch._dynamo.config.patch(recompile_limit=3):
             got = step(run, model, _x(), "fp32")
     assert_same_step(got, step(ref, ref, _x(), "fp32"), TOL[("fp32", True)])
@@ -340,7 +341,8 @@ def test_a_recompile_limit_below_the_chains_merges_is_named_with_the_value_to_se
     run, _ = compiled(model, "per-block")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*recompile_limit")
-        step(run, model, _x(), "fp32")
+        with torch._dynamo.config.patch(recompile_limit=3):
+            step(run, model, _x(), "fp32")
     torch._dynamo.reset()
 
 

@@ -103,3 +103,31 @@ def test_a_flag_switched_after_the_patch_is_refused_in_blocks_compiled_on_their_
         model(_x(1)).sum().backward()
     assert "blocks.1" in str(err.value)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "per-block"])
+def test_a_chain_rule_refuses_a_forward_that_skips_a_block(compiled):
+    """Layer drop (a block not called) under a chain rule: eagerly the next merge is refused at once; in blocks
+    compiled one by one (whose traced merges do not read their positions) the forward is refused at its end, by the
+    merges' counts, naming the block whose merge did not run."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    patch_residuals(model, method="hc", example_input=(_x(),))
+    if compiled:
+        for block in model.blocks:
+            block.compile(backend="aot_eager", fullgraph=True)
+    model(_x(1)).sum().backward()
+
+    def skip_middle(x):
+        x = model.emb(x)
+        for i, block in enumerate(model.blocks):
+            if i != 1:
+                x = block(x)
+        return model.head(x)
+
+    model.forward = skip_middle  # called through the module: the chain's hooks on it run
+    with pytest.raises(RuntimeError, match="same merges in every forward") as err:
+        model(_x(1))
+    assert "blocks.1" in str(err.value)
+    torch._dynamo.reset()

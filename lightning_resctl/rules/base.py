@@ -48,6 +48,7 @@ from torch import Tensor, nn
 __all__ = [
     "MergeRule",
     "ChainRule",
+    "ChainPosition",
     "NoOptions",
     "RuleEntry",
     "register_merge_rule",
@@ -218,6 +219,14 @@ class ChainRule(MergeRule):
         """Ablation: merge ``k``'s update is dropped; same return as :meth:`step`."""
         raise NotImplementedError
 
+    def position(self, chain: nn.Module, k: int, next_k: int) -> "ChainPosition":
+        """Merge ``k`` of ``chain`` read next by merge ``next_k``, as one module the merge site calls (built once per
+        site and position, outside the forward). The default calls :meth:`step` / :meth:`skip` with the positions: a
+        compiled graph per position. A rule whose merges share their structure returns a :class:`ChainPosition`
+        that reaches the merge's own modules directly and keeps only values every such merge shares, so identical
+        blocks compiled one by one (``block.compile()``) share one graph at any depth."""
+        return ChainPosition(self, chain, k, next_k)
+
     def streams(self, chain: nn.Module, state: Any) -> Optional[Tensor]:
         """The streams ``(..., m, C)`` held in ``state`` (diagnostics), or None."""
         return None
@@ -229,6 +238,36 @@ class ChainRule(MergeRule):
         chain = site.chain_module
         merges = getattr(chain, "merges", None)
         return merges[position] if merges is not None else chain
+
+
+class ChainPosition(nn.Module):
+    """Merge ``k`` of a chain, read next by merge ``next_k``, as a merge site runs it: ``step(state, u)`` and
+    ``skip(state)`` return ``(state, h)`` as :meth:`ChainRule.step` / :meth:`ChainRule.skip` do. ``first``: the chain
+    starts here (the site passes ``state`` None to :meth:`ChainRule.start` first); ``output``: ``h`` is the chain's
+    output. The rule and the chain are referenced, not registered (the chain module owns its parameters once).
+
+    Under ``torch.compile`` a traced merge reads from this module only what its step reads: a subclass keeps the
+    positions themselves (``k``, ``next_k``, read for messages only) out of its step, so that one graph serves every
+    merge of the same structure (dynamo guards on the Python values a trace reads, not on the module's identity)."""
+
+    #: True when the step reads no position (one compiled graph serves every merge of the same structure)
+    shares_graphs: ClassVar[bool] = False
+
+    def __init__(self, rule: Optional["ChainRule"], chain: nn.Module, k: int, next_k: int, first: bool = False):
+        super().__init__()
+        self.__dict__["rule"] = rule
+        self.__dict__["chain"] = chain
+        self.k, self.next_k, self.first = int(k), int(next_k), bool(first)
+        self.output = self.next_k >= (rule.num_merges(chain) if rule is not None else int(chain.num_merges))
+
+    def step(self, state: Any, u: Tensor) -> tuple[Any, Tensor]:
+        return self.rule.step(self.chain, self.k, state, u, self.next_k)
+
+    def skip(self, state: Any) -> tuple[Any, Tensor]:
+        return self.rule.skip(self.chain, self.k, state, self.next_k)
+
+    def extra_repr(self) -> str:
+        return f"k={self.k}, next_k={self.next_k}"
 
 
 # ---------------------------------------------------------------------------------------------- registry

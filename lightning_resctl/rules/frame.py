@@ -24,11 +24,11 @@ import torch
 from torch import Tensor, nn
 
 from ..runtime.autograd import autocast_off, fp32_bmm
-from .base import ChainRule
+from .base import ChainPosition, ChainRule
 from .checks import check_choice, check_eps, check_int
 from .common import compute_dtype
 
-__all__ = ["FrameState", "FrameChain", "FrameRule", "frame_read", "frame_write", "frame_reduce",
+__all__ = ["FrameState", "FrameChain", "FramePosition", "FrameRule", "frame_read", "frame_write", "frame_reduce",
            "frame_step_reference", "frame_chain_reference", "gated_pre_post", "pm_one", "check_frame_options",
            "REDUCES"]
 
@@ -125,11 +125,10 @@ def frame_chain_reference(layers, x: Tensor, branches, reduce: str = "sum") -> t
 
 # ---------------------------------------------------------------------------------------------- chain + rule
 class FrameState(NamedTuple):
-    """The chain state between merges: the streams, and the ``res``/``post`` stashed for merge ``layer``
-    (computed when its branch input was read; -1: none stashed)."""
+    """The chain state between merges: the streams, and the ``res``/``post`` of the merge that reads the state next
+    (computed when its branch input was read; None: not computed yet)."""
 
     streams: Tensor
-    layer: int
     res: Optional[Tensor]
     post: Optional[Tensor]
 
@@ -152,6 +151,35 @@ class FrameChain(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_merges={self.num_merges}, streams={self.streams}, reduce={self.reduce!r}"
+
+
+class FramePosition(ChainPosition):
+    """Merge ``k`` of a frame chain: its layer (``res``/``post`` when the state has none stashed) and the layer of
+    merge ``next_k``, which reads the new streams (None: ``h`` is the chain's output, the streams reduced). Holds
+    the two layer modules and the reduce, no position: every middle merge of a chain runs the same graph."""
+
+    shares_graphs = True
+
+    def __init__(self, rule, chain, k, next_k):
+        super().__init__(rule, chain, k, next_k)
+        self.__dict__["layer"] = chain.merges[k]
+        self.__dict__["reader"] = None if self.output else chain.merges[next_k]
+        self.reduce = chain.reduce
+
+    def step(self, state, u):
+        res, post = state.res, state.post
+        if res is None:
+            _, res, post = self.layer.coefficients(state.streams)
+        return self._read(frame_write(state.streams, res, post, u))
+
+    def skip(self, state):
+        return self._read(state.streams)
+
+    def _read(self, streams):
+        if self.reader is None:
+            return FrameState(streams, None, None), frame_reduce(streams, self.reduce)
+        pre, res, post = self.reader.coefficients(streams)
+        return FrameState(streams, res, post), frame_read(pre, streams)
 
 
 def check_frame_options(config) -> None:
@@ -179,28 +207,18 @@ class FrameRule(ChainRule):
     # ---- runtime
     def start(self, chain, x):
         n = chain.streams
-        return FrameState(x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]), -1, None, None)
+        return FrameState(x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]), None, None)
 
-    def _stashed(self, chain, k, state):
-        if state.layer == k:
-            return state.res, state.post
-        _, res, post = chain.coefficients(k, state.streams)
-        return res, post
-
-    def _read(self, chain, streams, next_k):
-        if next_k >= chain.num_merges:
-            return FrameState(streams, -1, None, None), frame_reduce(streams, chain.reduce)
-        pre, res, post = chain.coefficients(next_k, streams)
-        return FrameState(streams, next_k, res, post), frame_read(pre, streams)
+    def position(self, chain, k, next_k):
+        return FramePosition(self, chain, k, next_k)
 
     def step(self, chain, k, state, u, next_k):
-        res, post = self._stashed(chain, k, state)
-        return self._read(chain, frame_write(state.streams, res, post, u), next_k)
+        return self.position(chain, k, next_k).step(state, u)
 
     def skip(self, chain, k, state, next_k):
         """Ablation *(choice)*: layer k is removed — the streams pass unchanged (no res mix, no update);
         the next reader computes its coefficients from them."""
-        return self._read(chain, state.streams, next_k)
+        return self.position(chain, k, next_k).skip(state)
 
     def streams(self, chain, state):
         return state.streams if isinstance(state, FrameState) else state

@@ -118,6 +118,8 @@ def bind(model: nn.Module, plan: Plan, rule, report: PatchReport, obs: Observati
             run=runs.get(ci), mode_positions=mode_positions, parallel=parallel.get(key),
             stream_first=ev0.stream_operand == 0, tally=tally_of[key])
         sites[key] = site.train(ev0.owner.training)  # new modules follow the mode of the module they are added to
+        if is_chain:
+            runs[ci].members.append(site)
     # each addition of a parallel block before the last is a ParallelPart feeding the last one's site
     parts: dict = {}
     for key, group in plan.groups.items():
@@ -139,6 +141,8 @@ def bind(model: nn.Module, plan: Plan, rule, report: PatchReport, obs: Observati
         owner.__class__ = plan.rewritten[oid]
         state.owners.append((owner, cls, names))
     hook_tallies(tallies, state.hooks)
+    for site in sites.values() if is_chain else ():
+        site.bind_positions()
     _turn_off_native_fast_paths(model, state)
 
     merges = [BoundMerge(sites[site_key(ev)], chain_index[ev.index], position_of[ev.index], ev.stream_operand == 0,

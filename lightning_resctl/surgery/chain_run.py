@@ -32,6 +32,7 @@ graph break before and after each merge's math (which ``fullgraph=True`` refuses
 """
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 import weakref
@@ -42,7 +43,7 @@ from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["ChainRun", "ChainEntry", "ChainStart", "ChainEnd", "SWITCHED_LINES", "enter_chain", "leave_chain",
-           "move_entry", "enter_chain_eagerly", "leave_chain_eagerly", "move_entry_eagerly",
+           "move_entry", "enter_chain_traced", "enter_chain_eagerly", "leave_chain_eagerly", "move_entry_eagerly",
            "bookkeeping_in_eager_code", "counting", "counting_merge", "checking", "checkpoint_frame",
            "inside_reentrant_checkpoint", "storage_ptr"]
 
@@ -53,6 +54,10 @@ SWITCHED_LINES = (
     "before patching, or patch again: unpatch_residuals(model), then patch_residuals(...). A data-dependent skip of "
     "merges inside a module is not supported (layer drop that skips whole blocks is, with a per-merge rule such "
     "as method='rescontroller')")
+
+#: ``ChainRun.last`` after a merge traced outside any checkpointed region, whose position the graph does not read
+TRACED = -2
+
 
 class ChainEntry(NamedTuple):
     """What a stream tensor handed to the model's code inside a checkpointed region stands for: the chain state
@@ -115,10 +120,12 @@ class ChainRun:
 
     ``expected``: ``{"train": positions, "eval": positions}`` — the merges observed to run in each mode (a
     mode without an entry expects the training ones); ``sites``: per position, where its merge is
-    ("module path: file:line", for error messages)."""
+    ("module path: file:line", for error messages). ``members``: the chain's merge sites (each counts its own runs
+    in a forward, ``site.calls_in_forward``, cleared by :meth:`reset`: the same value, no guard, in every block)."""
 
-    def __init__(self, index: int, num_merges: int, expected: dict, sites: tuple = ()) -> None:
+    def __init__(self, index: int, num_merges: int, expected: dict, sites: tuple = (), members: tuple = ()) -> None:
         self.index = index
+        self.members: list = list(members)
         self.num_merges = num_merges
         self.expected = {mode: tuple(sorted(p)) for mode, p in expected.items()}
         self.sites = tuple(sites)
@@ -134,10 +141,16 @@ class ChainRun:
 
     def reset(self) -> None:
         self.state: Any = None
-        self.last = -1            # position of the last merge run in this forward
+        self.last = -1            # position of the last merge run in this forward (TRACED: a traced merge's)
         self.done = False         # the chain produced its output in this forward
         self.last_site: Optional[str] = None
-        self.calls: dict = {}     # id(site) -> runs in this forward
+        self.lead: Any = None     # the chain's leading shape (the stream's, features last)
+        for site in getattr(self, "members", ()):
+            site.calls_in_forward = 0
+
+    def first_expected(self, training: bool) -> int:
+        """The position the chain starts at in this mode (``num_merges``: none runs)."""
+        return self._next["train" if training else "eval"][-1]
 
     def next_after(self, k: int, training: bool) -> int:
         """The next position expected to run after ``k`` in this mode (``num_merges``: none, output)."""
@@ -173,103 +186,142 @@ class ChainRun:
         return self.sites[k] if 0 <= k < len(self.sites) else f"position {k}"
 
     def __deepcopy__(self, memo):
-        return ChainRun(self.index, self.num_merges, self.expected, self.sites)
+        run = ChainRun(self.index, self.num_merges, self.expected, self.sites)
+        memo[id(self)] = run
+        run.members = [copy.deepcopy(site, memo) for site in self.members]
+        return run
 
     def __getstate__(self):
-        return {"index": self.index, "num_merges": self.num_merges, "expected": self.expected, "sites": self.sites}
+        return {"index": self.index, "num_merges": self.num_merges, "expected": self.expected, "sites": self.sites,
+                "members": self.members}
 
     def __setstate__(self, state):
-        self.__init__(state["index"], state["num_merges"], state["expected"], state.get("sites", ()))
+        self.__init__(state["index"], state["num_merges"], state["expected"], state.get("sites", ()),
+                      state.get("members", ()))
 
 
 class ChainStart:
-    """Forward pre-hook of a chain's owner: a new forward starts a new chain run."""
+    """Forward pre-hook of a chain's owner: a new forward starts a new chain run, on the chain module that runs."""
 
     def __init__(self, run: ChainRun) -> None:
         self.run = run
 
     def __call__(self, module, args):
         self.run.reset()
+        for site in self.run.members:  # the chain module that runs now (e.g. PEFT's copy of it while adapters are on)
+            site.bind_positions()
 
 
 class ChainEnd:
     """Forward hook (``always_call``) of a chain's owner: the run must have produced the chain's output, or
-    run no merge in a mode where none was observed."""
+    run no merge in a mode where none was observed, and each merge site must have run as often as observed (what
+    a traced merge does not check at the merge itself, see :func:`enter_chain_traced`)."""
 
     def __init__(self, run: ChainRun) -> None:
         self.run = run
 
     def __call__(self, module, args, output):
-        run = self.run
-        unfinished = run.last >= 0 and not run.done
-        mode = "train" if module.training else "eval"
+        run, mode = self.run, ("train" if module.training else "eval")
+        ran = sum(s.calls_in_forward for s in run.members)
+        where, last, name, done = run.last_site, run.last, type(module).__name__, run.done
         expected = run.expected.get(mode, run.expected.get("train", ()))
-        none = run.last < 0 and len(expected) > 0
-        where = run.last_site
-        last = run.last
+        observed = {site: len(site.mode_positions.get(mode, site.positions)) for site in run.members}
+        wrong = "; ".join(f"{site.path or 'root'}: {site.location} ({site.source_line!r}) ran {site.calls_in_forward} "
+                          f"times, observed {n}" for site, n in observed.items() if site.calls_in_forward != n)
         run.reset()
-        if none and output is not None:
+        mode, fix = ("training" if module.training else "eval"), f"the same merges in every forward. {SWITCHED_LINES}"
+        if output is None:
+            return
+        if ran == 0 and expected:
             raise RuntimeError(
-                f"residual chain {run.index} ran none of its {len(expected)} merges observed in "
-                f"{'training' if module.training else 'eval'} mode (the first: {run.site(expected[0])}) in this "
-                f"forward of {type(module).__name__}: the chain's output was never produced, and the model's "
-                "additions did not go through the rule. A stream-carrying rule needs the same merges in every "
-                f"forward of one mode. {SWITCHED_LINES}")
-        if unfinished and output is not None:
+                f"residual chain {run.index} ran none of its {len(expected)} merges observed in {mode} mode (the "
+                f"first: {run.site(expected[0])}) in this forward of {name}: the chain's output was never produced, "
+                f"and the model's additions did not go through the rule. A stream-carrying rule needs {fix}")
+        if ran > 0 and not done:
+            after = f"merge {last} (site {where})" if last >= 0 else f"{ran} merges"
             raise RuntimeError(
-                f"residual chain {run.index} stopped after merge {last} (site {where}) of {run.num_merges}: the "
-                f"merges that were observed to follow it in {'training' if module.training else 'eval'} mode did "
-                "not run in this forward, so the chain's output was never produced. A stream-carrying rule needs "
-                f"the same merges in every forward of one mode. {SWITCHED_LINES}")
+                f"residual chain {run.index} stopped after {after} of {run.num_merges}: the merges that were observed "
+                f"to follow it in {mode} mode did not run in this forward, so the chain's output was never produced. "
+                f"A stream-carrying rule needs {fix}")
+        if wrong:
+            raise RuntimeError(f"residual chain {run.index} produced its output, but its merges did not run as "
+                               f"observed in {mode} mode: {wrong}. A stream-carrying rule needs {fix}")
+
 
 def enter_chain(site: nn.Module, run: ChainRun, stream: torch.Tensor, origin: torch.Tensor,
-                 phase: Optional[str]) -> tuple:
-    """The bookkeeping entering one merge of a chain: ``(phase, state, k, lead, training)``; ``phase``: the
-    checkpoint phase (``"now"``: read it here, see :func:`_checkpoint_phase`). Recomputing a checkpointed
-    region, the state comes from the entry the forward left on ``origin`` and the live run is not touched;
-    otherwise the merge's position is checked against the live run, and inside a checkpointed region the
-    state entering it is remembered for the recomputation."""
+                phase: Optional[str]) -> tuple:
+    """The bookkeeping entering one merge of a chain, in eager code: ``(phase, state, at, lead, training)``; ``at``:
+    the merge's :class:`~lightning_resctl.rules.ChainPosition`; ``phase``: the checkpoint phase (``"now"``: read it
+    here, see :func:`_checkpoint_phase`). Recomputing a checkpointed region, the state comes from the entry the
+    forward left on ``origin`` and the live run is not touched; otherwise the merge's position is checked against
+    the live run, and inside a checkpointed region the state entering it is remembered for the recomputation."""
     site._mark_ran()  # here, not in the compiled forward: read there, the tally's int would be guarded per merge
     if phase == "now":
         phase = _checkpoint_phase()
     if phase == "recompute":
         entry = site._replay_entry(run, origin)
-        return phase, entry.state, entry.k, entry.lead, entry.training
+        return phase, entry.state, site.position_module(entry.k, entry.training), entry.lead, entry.training
     if not torch.is_grad_enabled() and site.training:
         site._refuse_reentrant(stream, run)
     training = site.training
     k = site._position_now(run)
     run.check_order(k, training, f"{site.location}: {site.source_line!r}")
-    state, lead = run.state, getattr(run, "lead", None)
+    state, lead = run.state, run.lead
     if phase == "region":
         entry = ChainEntry(state, k, lead, training, origin._version)
         run.entries[origin] = entry
         frame = checkpoint_frame()
         if frame is not None:  # the region's first merge of this chain: kept as long as the region
             frame.__dict__.setdefault("_resctl_chain_entries", {}).setdefault(id(run), entry)
-    return phase, state, k, lead, training
+    return phase, state, site.position_module(k, training), lead, training
 
 
-def leave_chain(site: nn.Module, run: ChainRun, phase: Optional[str], k: int, after: ChainEntry,
-                 h: torch.Tensor) -> None:
-    """The bookkeeping after merge ``k`` of a chain returned ``h``; ``after``: the chain's state and the position
-    of the merge that reads it next. The live run moves on, except in a recomputation, where the next merge of
-    the recomputed region finds that state by the tensor ``h`` its stream operand is. ``phase`` as in
-    :func:`enter_chain`."""
+def enter_chain_traced(site: nn.Module, run: ChainRun, stream: torch.Tensor) -> tuple:
+    """:func:`enter_chain` of a merge dynamo traces outside checkpointed regions (a block compiled on its own, the
+    whole model), reading no per-merge Python value (a guard per block): the site's run count selects its position;
+    a merge out of order raises here or, one that did not run as observed, at the owner's end (:class:`ChainEnd`)."""
+    site._mark_ran()
+    if not torch.is_grad_enabled() and site.training:
+        site._refuse_reentrant(stream, run)
+    training = site.training
+    table = site.position_table(training)
+    n = site.calls_in_forward
+    if n >= len(table):
+        site._position_now(run)  # raises: ran more often than observed
+    at = table[n]
+    site.calls_in_forward = n + 1
+    state = run.state
+    if run.done or (state is None) != at.first:
+        what = "after the chain's output" if run.done else "before its first merge" if state is None else "after others"
+        raise RuntimeError(f"the merge at {site.location} ({site.path or 'root'}: {site.source_line!r}) of residual "
+                           f"chain {site.chain} ran {what} in this forward: a stream-carrying rule needs each merge "
+                           f"once per forward, in the order observed when the model was patched. {SWITCHED_LINES}")
+    return None, state, at, run.lead, training
+
+
+def leave_chain(site: nn.Module, run: ChainRun, phase: Optional[str], at: nn.Module, state: Any, lead: Any,
+                training: bool, h: torch.Tensor) -> None:
+    """The bookkeeping after merge ``at`` of a chain returned ``h`` and the chain's ``state`` read next (by merge
+    ``at.next_k``). The live run moves on, except in a recomputation, where the next merge of the recomputed region
+    finds that state by the tensor ``h`` its stream operand is. ``phase`` as in :func:`enter_chain`; None: traced
+    outside checkpointed regions (:func:`enter_chain_traced`)."""
     if phase == "now":
         phase = _checkpoint_phase()
     if phase == "recompute":
-        if after.k < run.num_merges:
-            run.entries[h] = after._replace(version=h._version)
+        if not at.output:
+            run.entries[h] = ChainEntry(state, at.next_k, lead, training, h._version)
         return
-    run.lead = after.lead
-    run.last = k
-    run.last_site = site.location
-    if after.k >= run.num_merges:
+    run.lead = lead
+    if phase is None and torch.compiler.is_compiling():
+        run.last = TRACED  # (reading the position would be a guard per merge; an eager merge next checks less)
+    else:
+        run.last = at.k
+        run.last_site = site.location
+    if at.output:
         run.state = None  # nothing kept alive after the chain's output
         run.done = True
     else:
-        run.state = after.state
+        run.state = state
 
 
 def move_entry(run: ChainRun, merged: torch.Tensor, out: torch.Tensor) -> None:
@@ -368,21 +420,22 @@ _GRAPH_BREAK = (
     "checkpoint inside the compiled block (checkpoint_wrapper before torch.compile, with "
     "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint=True), or compile the whole model")
 
-
 def _enter_chain_at_a_graph_break(site: nn.Module, run: ChainRun, stream: torch.Tensor, origin: torch.Tensor,
                                   phase: Optional[str]) -> tuple:
-    """:func:`enter_chain` for a block compiled on its own inside a checkpointed region, at its graph break: each
-    merge position of the chain compiles a graph of its own there (the rule's step depends on the position), so a
-    recompile limit below the chain's merges runs the blocks past it eagerly, with dynamo's terse warning only."""
+    """:func:`enter_chain` for a block compiled on its own inside a checkpointed region, at its graph break. A rule
+    whose merges run by their positions (``ChainPosition.shares_graphs`` False: ``attnres``) compiles a graph per
+    position, so a recompile limit below the chain's merges runs the blocks past it eagerly: named here."""
+    out = enter_chain(site, run, stream, origin, phase)
     limit = torch._dynamo.config.recompile_limit
-    if run.num_merges >= limit and not run.__dict__.get("_warned_recompile_limit"):
+    if not out[2].shares_graphs and run.num_merges >= limit and not run.__dict__.get("_warned_recompile_limit"):
         run.__dict__["_warned_recompile_limit"] = True
         warnings.warn(
             f"residual chain {run.index} has {run.num_merges} merges, and each compiles a graph of its own in blocks "
-            f"compiled on their own under activation checkpointing, but torch._dynamo.config.recompile_limit is "
-            f"{limit}: dynamo runs the merges past it eagerly (the same results, slower). Raise it before the first "
-            f"step: torch._dynamo.config.recompile_limit = {2 * run.num_merges}", stacklevel=2)
-    return enter_chain(site, run, stream, origin, phase)
+            f"compiled on their own (method={site.method!r} runs its merges by their positions), but "
+            f"torch._dynamo.config.recompile_limit is {limit}: dynamo runs the merges past it eagerly (the same "
+            f"results, slower). Raise it before the first step: torch._dynamo.config.recompile_limit = "
+            f"{2 * run.num_merges}", stacklevel=2)
+    return out
 
 
 enter_chain_eagerly = torch.compiler.disable(_enter_chain_at_a_graph_break, reason=_GRAPH_BREAK)

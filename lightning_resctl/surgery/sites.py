@@ -28,6 +28,7 @@ from .chain_run import (
     counting_merge,
     enter_chain,
     enter_chain_eagerly,
+    enter_chain_traced,
     inside_reentrant_checkpoint,
     leave_chain,
     leave_chain_eagerly,
@@ -120,6 +121,8 @@ class MergeSite(nn.Module):
         self.__dict__["_run"] = run
         self.__dict__["_parallel"] = parallel   # a ParallelRun when this is the last addition of a parallel block
         self.__dict__["_tally"], self._tally_bit = tally if tally is not None else (None, 0)
+        self.calls_in_forward = 0  # runs of this site in the chain's current forward (chain rules; ChainRun resets it)
+        self.__dict__["_positions"] = None  # (chain module, {training: (ChainPosition per run)}): bind_positions()
         if rule.kind == "chain" and (chain_slot is None or run is None):
             raise ValueError(f"method={rule.name!r} is a chain rule: the site needs chain_slot and run")
 
@@ -254,8 +257,40 @@ class MergeSite(nn.Module):
             return stream
         return self.rule.merge_written(self.merge, stream, update, self.inplace, self.stream_first)
 
+    # ------------------------------------------------------------------ chain positions
+    def bind_positions(self) -> None:
+        """Build (again, when the chain module that runs changed, e.g. behind PEFT's wrapper) the rule's
+        :class:`~lightning_resctl.rules.ChainPosition` of each run of this site in a forward, per mode: what a merge
+        runs, chosen by its run count alone (no position read in a compiled forward). Chain rules only."""
+        chain = self.chain_module
+        built = self._positions
+        if built is not None and built[0] is chain:
+            return
+        run = self._run
+        table = {}
+        for training in (True, False):
+            ks = self.mode_positions.get("train" if training else "eval", self.positions)
+            table[training] = tuple(self._new_position(chain, run, k, training) for k in ks)
+        self.__dict__["_positions"] = (chain, table)
+
+    def _new_position(self, chain: nn.Module, run: ChainRun, k: int, training: bool) -> nn.Module:
+        at = self.rule.position(chain, k, run.next_after(k, training))
+        at.first = k == run.first_expected(training)
+        return at
+
+    def position_table(self, training: bool) -> tuple:
+        """The :class:`~lightning_resctl.rules.ChainPosition` of each run of this site in a forward of this mode."""
+        return self._positions[1][training]
+
+    def position_module(self, k: int, training: bool) -> nn.Module:
+        """The :class:`~lightning_resctl.rules.ChainPosition` of merge ``k`` in this mode (eager code)."""
+        for at in self.position_table(training):
+            if at.k == k:
+                return at
+        return self._new_position(self.chain_module, self._run, k, training)
+
     def _position_now(self, run: ChainRun) -> int:
-        n = run.calls.get(id(self), 0)
+        n = self.calls_in_forward
         positions = self.mode_positions.get("train" if self.training else "eval", self.positions)
         if n >= len(positions):
             raise RuntimeError(
@@ -263,7 +298,7 @@ class MergeSite(nn.Module):
                 f"forward of residual chain {self.chain}, but {len(positions)} were observed in "
                 f"{'training' if self.training else 'eval'} mode when the model was patched: a stream-carrying rule "
                 "needs the same merges in every forward of one mode")
-        run.calls[id(self)] = n + 1
+        self.calls_in_forward = n + 1
         return positions[n]
 
     def _forward_chain(self, stream: torch.Tensor, update: torch.Tensor,
@@ -276,9 +311,9 @@ class MergeSite(nn.Module):
         origin = stream if origin is None else origin
         eagerly = bookkeeping_in_eager_code()
         if eagerly is None:  # traced into a graph compiled outside any checkpointed region: the live run
-            phase, state, k, lead, training = enter_chain(self, run, stream, origin, None)
+            phase, state, at, lead, training = enter_chain_traced(self, run, stream)
         else:
-            phase, state, k, lead, training = (enter_chain_eagerly if eagerly else enter_chain)(
+            phase, state, at, lead, training = (enter_chain_eagerly if eagerly else enter_chain)(
                 self, run, stream, origin, "now")
         d = self.dim
         moved = d != -1 and d != stream.dim() - 1
@@ -287,8 +322,8 @@ class MergeSite(nn.Module):
         if state is None:
             state = rule.start(chain, s)
             lead = s.shape[:-1]
-        self.current_position = k
         if self.observer is not None and phase != "recompute":  # (no branch on the phase in the math's graph)
+            self.current_position = at.k
             run.state, run.lead = state, lead  # observers read the state entering this merge (chain_state)
             self.observer(self, stream, update, rule.streams(chain, state))
         if u.shape[:-1] != lead:  # the model re-viewed the stream between merges (e.g. reshape(-1, C))
@@ -299,21 +334,16 @@ class MergeSite(nn.Module):
             out_dtype = s.dtype
         if u.dtype != s.dtype:  # the chain's state keeps the dtype of its input; the result is promoted below
             u = u.to(s.dtype)
-        next_k = run.next_after(k, training)
-        if self.skip_update:
-            state, h = rule.skip(chain, k, state, next_k)
-        else:
-            state, h = rule.step(chain, k, state, u, next_k)
+        state, h = at.skip(state) if self.skip_update else at.step(state, u)
         if h.shape[:-1] != s.shape[:-1]:
             h = h.reshape(s.shape)
         if h.dtype != out_dtype:
             h = h.to(out_dtype)
         h = h.movedim(-1, d) if moved else h
-        after = ChainEntry(state, next_k, lead, training, None)  # the version: taken by a recomputation
         if eagerly:  # the phase read again at the graph break: one graph of the math serves both phases
-            leave_chain_eagerly(self, run, "now", k, after, h)
+            leave_chain_eagerly(self, run, "now", at, state, lead, training, h)
         else:
-            leave_chain(self, run, phase, k, after, h)
+            leave_chain(self, run, phase, at, state, lead, training, h)
         return h
 
     def _replay_entry(self, run: ChainRun, stream: torch.Tensor) -> ChainEntry:

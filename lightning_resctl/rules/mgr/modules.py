@@ -9,13 +9,14 @@ import torch
 from torch import Tensor, nn
 
 from ...runtime.backends import resolve_backend
+from ..base import ChainPosition
 from ..checks import check_int, keywords_or_config
 from .config import MGRConfig
 from .inversion import InvertRun
 from .ops import check_step_backend, mgr_step, tie_zero_grad
 from .reference import MGRInit, attn_pool_reference, mgr_bias_init, mgr_gates_reference
 
-__all__ = ["MGRPool", "MGRMerge", "MGRRun", "MGRChain"]
+__all__ = ["MGRPool", "MGRMerge", "MGRPosition", "MGRRun", "MGRChain"]
 
 
 def _transformed() -> bool:
@@ -105,6 +106,47 @@ class MGRMerge(nn.Module):
     def extra_repr(self) -> str:
         kind = "accumulating" if self.accumulating else f"gating={self.gating}"
         return f"index={self.index}, dim={self.dim}, streams={self.streams}, {kind}"
+
+
+class MGRPosition(ChainPosition):
+    """Merge ``k`` of an :class:`MGRChain` read next by merge ``k + 1`` (the output pool after the last):
+    ``step(streams, u) -> (streams', h_next)``. Holds the merge's and the next pool's modules and what a step reads
+    of its position (the stream count entering it, first, last), not the position: every gated merge but the last
+    runs the same compiled graph."""
+
+    shares_graphs = True
+
+    def __init__(self, rule, chain: "MGRChain", k: int, next_k: int):
+        super().__init__(rule, chain, k, next_k)
+        self.__dict__["merge"] = chain.merges[k]
+        self.__dict__["reader"] = chain.merges[k + 1] if k + 1 < chain.num_merges else chain.output_pool
+        self.count, self.last = chain.stream_count(k), k == chain.num_merges - 1
+        self.first_merge = k == 0
+
+    def step(self, streams: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+        """Merge ``u``: append it (an accumulating merge) or gate + lerp it into the streams, then the next pool.
+        Returns ``(streams', h_next)``; fused on the Triton path."""
+        chain = self.chain
+        chain._check_stream_count(streams, self.count, lambda: self.k)
+        if isinstance(u, Tensor) and u.dtype != streams.dtype and u.is_floating_point():
+            if torch.is_autocast_enabled(streams.device.type):
+                u = u.to(streams.dtype)  # under autocast a branch returns low precision; the streams keep theirs
+            else:  # type promotion as `stream + update` does
+                dtype = torch.result_type(streams, u)
+                streams, u = streams.to(dtype), u.to(dtype)
+        chain._check_update(streams, u)
+        merge = self.merge
+        gq, gb, fb = merge.gate_params()
+        backend = chain.resolved_backend(streams)
+        if self.first_merge and torch.is_grad_enabled() and merge.pool_query.requires_grad and not _transformed():
+            u = tie_zero_grad(u, merge.pool_query)  # (for DDP; not under torch.func / forward-mode AD)
+        # the position keys the inversion's run, which never runs under torch.compile: not read there (a guard)
+        k = -1 if torch.compiler.is_compiling() else self.k
+        return mgr_step(streams, u, self.reader.pool_query, gq, gb, fb, gating=chain.gating, eps=chain.eps,
+                        backend=backend, claim_run=chain._claim_run, k=k, last=self.last)
+
+    def skip(self, streams: Tensor) -> tuple[Tensor, Tensor]:
+        return self.chain.skip(self.k, streams)
 
 
 class MGRRun:
@@ -251,11 +293,15 @@ class MGRChain(nn.Module):
         return k
 
     def _check_streams(self, k: int, streams: Tensor, name: str = "streams") -> None:
+        self._check_stream_count(streams, self.stream_count(k), lambda: k, name)
+
+    def _check_stream_count(self, streams: Tensor, want: int, position: Callable[[], int],
+                            name: str = "streams") -> None:
+        """``streams`` hold ``want`` streams of width C entering merge ``position()`` (read for the message only)."""
         if not isinstance(streams, Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(streams).__name__}")
-        want = self.stream_count(k)
         if streams.dim() < 2 or streams.shape[-1] != self.dim or streams.shape[-2] != want:
-            raise ValueError(f"{name} entering merge {k} must have shape (..., {want}, {self.dim}) "
+            raise ValueError(f"{name} entering merge {position()} must have shape (..., {want}, {self.dim}) "
                              f"(min(k+1, n) streams, features last), got {tuple(streams.shape)}")
         if not streams.is_floating_point():
             raise TypeError(f"{name} must be floating point, got {streams.dtype}")
@@ -305,22 +351,7 @@ class MGRChain(nn.Module):
         """Merge k: append ``u`` (k < n-1) or gate + lerp it into the streams, then the pool of merge k+1
         (the output pool after the last merge). Returns ``(streams', h_next)``; fused on the Triton path."""
         k = self._check_index(k)
-        self._check_streams(k, streams)
-        if isinstance(u, Tensor) and u.dtype != streams.dtype and u.is_floating_point():
-            if torch.is_autocast_enabled(streams.device.type):
-                u = u.to(streams.dtype)  # under autocast a branch returns low precision; the streams keep theirs
-            else:  # type promotion as `stream + update` does
-                dtype = torch.result_type(streams, u)
-                streams, u = streams.to(dtype), u.to(dtype)
-        self._check_update(streams, u)
-        merge = self.merges[k]
-        wq = self.next_query(k)
-        gq, gb, fb = merge.gate_params()
-        backend = self.resolved_backend(streams)
-        if k == 0 and torch.is_grad_enabled() and merge.pool_query.requires_grad and not _transformed():
-            u = tie_zero_grad(u, merge.pool_query)  # (for DDP; not under torch.func / forward-mode AD)
-        return mgr_step(streams, u, wq, gq, gb, fb, gating=self.gating, eps=self.eps, backend=backend,
-                        claim_run=self._claim_run, k=k, last=k == self.num_merges - 1)
+        return MGRPosition(None, self, k, k + 1).step(streams, u)
 
     def skip(self, k: int, streams: Tensor) -> tuple[Tensor, Tensor]:
         """Ablation of merge k's branch: gated merges leave the streams unchanged; accumulating merges append a

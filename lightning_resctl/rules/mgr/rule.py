@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..base import ChainRule, register_merge_rule
 from .config import MGRConfig
-from .modules import MGRChain
+from .modules import MGRChain, MGRPosition
 from .reference import attn_pool_reference
 
 __all__ = ["MGRRule"]
@@ -29,6 +29,11 @@ class MGRRule(ChainRule):
     def start(self, chain, x):
         streams, _ = chain.start(x)
         return streams
+
+    def position(self, chain, k, next_k):
+        if next_k != k + 1:  # merges between that do not run in this mode (rare): the positions read
+            return super().position(chain, k, next_k)
+        return MGRPosition(self, chain, k, next_k)
 
     def step(self, chain, k, state, u, next_k):
         streams, h = chain.step(k, state, u)
