@@ -9,7 +9,7 @@ commands:
              start against plain, measure its training-step cost next to plain's, and write summary.md,
              PNG plots and TensorBoard logs. Built on LightningCLI: --model, --data, --trainer.*,
              --config my.yaml, --print_config. `{prog} compare --help` lists every option;
-             `{prog} compare` runs the quick default (about 14 minutes on 2 CPU cores).
+             `{prog} compare` runs the quick default (about 12 minutes on 2 CPU cores).
   summarize  merge the output folders of one compare job (e.g. its shards): summarize OUT [OUT ...]
 
 options:
