@@ -23,59 +23,37 @@ import torch._dynamo
 import torch._dynamo.testing
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.models import PreNormNet  # noqa: E402
 from lightning_resctl import get_merge_rule, merge_rules, patch_residuals  # noqa: E402
 
 
-class Block(nn.Module):
-    """Pre-norm block of width ``c``: two merges."""
-
-    def __init__(self, c: int):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(c), nn.LayerNorm(c)
-        self.f1, self.f2 = nn.Linear(c, c), nn.Sequential(nn.Linear(c, 2 * c), nn.GELU(), nn.Linear(2 * c, c))
-
-    def forward(self, x):
-        x = x + self.f1(torch.tanh(self.ln1(x)))
-        x = x + self.f2(self.ln2(x))
-        return x
-
-
-class Net(nn.Module):
-    def __init__(self, depth: int, c: int):
-        super().__init__()
-        self.emb = nn.Linear(c, c)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(depth))
-        self.head = nn.Linear(c, 3)
-        self.ckpt = False
-
-    def forward(self, x):
-        x = self.emb(x)
-        for b in self.blocks:
-            x = checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x)
-        return self.head(x)
+def compile_blocks(model: nn.Module, ckpt: str, backend) -> None:
+    """Compile each of ``model.blocks`` on its own with ``backend``. ``ckpt``: ``none`` (fullgraph, no checkpointing),
+    ``outside`` (``torch.utils.checkpoint`` around each compiled block) or ``wrapper`` (``checkpoint_wrapper`` first,
+    then the wrapped block compiled with fullgraph, torchtitan's order)."""
+    model.ckpt = ckpt == "outside"
+    for i, b in enumerate(model.blocks):
+        if ckpt == "wrapper":
+            model.blocks[i] = torch.compile(checkpoint_wrapper(b), backend=backend, fullgraph=True)
+        else:
+            b.compile(backend=backend, fullgraph=ckpt == "none")
 
 
 def unique_graphs(method: str, depth: int, ckpt: str, args) -> str:
     """The frames dynamo compiled for two training steps (or the error's first line)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Net(depth, args.C)
+    model = PreNormNet(depth, args.C)
     x = torch.randn(args.batch, args.T, args.C)
     try:
         if method != "plain":
             options = {"backend": "torch-eager"} if "backend" in get_merge_rule(method).option_names() else {}
             patch_residuals(model, method=method, example_input=(x,), **options)
         counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-        model.ckpt = ckpt == "outside"
-        for i, b in enumerate(model.blocks):
-            if ckpt == "wrapper":
-                model.blocks[i] = torch.compile(checkpoint_wrapper(b), backend=counter, fullgraph=True)
-            else:
-                b.compile(backend=counter, fullgraph=ckpt == "none")
+        compile_blocks(model, ckpt, counter)
         with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=ckpt == "wrapper",
                                         recompile_limit=max(8, 4 * depth)):
             for _ in range(2):

@@ -14,8 +14,8 @@ the first step (its compile time, shown apart) and ``--warmup`` steps; peak memo
 the forward and backward of one loss beyond what it held before (``torch.profiler`` memory events, as
 ``bench_checkpoint_memory.py`` measures it), on CUDA ``torch.cuda.max_memory_allocated`` over the same beyond what
 was allocated before. Graphs: the frames dynamo compiled for the variant's blocks in its first step (its backend
-counts them; plain compiles one graph per code object whatever the depth). ``attnres`` / ``attnres-block`` still
-compile a graph per merge position, and the variants' blocks share code objects (the merge site's), so dynamo's
+counts them; plain compiles one graph per code object whatever the depth). The variants' blocks share code objects
+(the block's and the merge site's), and ``attnres`` still compiles a graph per merge position, so dynamo's
 ``recompile_limit`` is raised to 4 graphs per block per rule measured. Prints one markdown table per depth:
 graphs, ms/step, step time / plain, peak MiB, peak / plain, first step.
 """

@@ -7,6 +7,8 @@ that trains it: :mod:`lightning_resctl.compare.nanogpt`), and hand wiring of mer
 * :func:`wire_hyper_connections` — HC / mHC of the ``hyper-connections`` package wired by hand into the
   same GPT (the package's own ``expand_stream`` / ``reduce_stream`` and one connection per sub-layer).
 * :class:`ResNet` — a ResNet-18-shaped conv net (BasicBlocks, one feature-map shape per stage) for small images.
+* :class:`PreNormNet` — an embedding, identical :class:`PreNormBlock` s (two merges each), a head: blocks to compile
+  one by one, each optionally checkpointed.
 """
 from __future__ import annotations
 
@@ -15,11 +17,44 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_resctl.compare.nanogpt import MLP, Block, CausalSelfAttention, NanoGPT
 
 __all__ = ["NanoGPT", "Block", "CausalSelfAttention", "MLP", "wire_merges", "wire_hyper_connections", "gpt_loss",
-           "add_step_arguments", "ResNet", "BasicBlock"]
+           "add_step_arguments", "ResNet", "BasicBlock", "PreNormBlock", "PreNormNet"]
+
+
+class PreNormBlock(nn.Module):
+    """Pre-norm transformer-like block of width ``c``: two merges (``x = x + f(ln(x))``)."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(c), nn.LayerNorm(c)
+        self.f1, self.f2 = nn.Linear(c, c), nn.Sequential(nn.Linear(c, 2 * c), nn.GELU(), nn.Linear(2 * c, c))
+
+    def forward(self, x):
+        x = x + self.f1(torch.tanh(self.ln1(x)))
+        x = x + self.f2(self.ln2(x))
+        return x
+
+
+class PreNormNet(nn.Module):
+    """Embedding, ``depth`` blocks of width ``c`` (``block``: a class taking ``c``), a 3-way head; ``ckpt``: each block
+    in non-reentrant ``torch.utils.checkpoint``."""
+
+    def __init__(self, depth: int, c: int, block: type = PreNormBlock):
+        super().__init__()
+        self.emb = nn.Linear(c, c)
+        self.blocks = nn.ModuleList(block(c) for _ in range(depth))
+        self.head = nn.Linear(c, 3)
+        self.ckpt = False
+
+    def forward(self, x):
+        x = self.emb(x)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x)
+        return self.head(x)
 
 
 class BasicBlock(nn.Module):

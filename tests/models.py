@@ -4,6 +4,8 @@
 * :class:`TinyViT` — ViT-style blocks with layer scale and a class token.
 * :class:`BranchyNet` — a forward that branches on Python values (``if``/``for``), with
   additions that are *not* merges (bias, counter, two-branch sum, positional embedding).
+* :class:`PreNormBlock`, :class:`PreNormNet` (from :mod:`benchmarks.models`), :class:`PreNormInplaceBlock`, and
+  :class:`TanhBranch` — blocks of two merges and the net of identical blocks the compile tests build.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from torch import nn
 __all__ = ["NanoGPT", "CausalSelfAttention", "MLP", "Block", "TinyViT", "ViTBlock", "BranchyNet"]
 
 
-# The nanoGPT is the compare job's built-in model: one definition.
+# The nanoGPT is the compare job's built-in model: one definition; the pre-norm blocks live with the benchmarks'.
+from benchmarks.models import PreNormBlock, PreNormNet  # noqa: E402,F401
 from lightning_resctl.compare.nanogpt import MLP, Block, CausalSelfAttention, NanoGPT  # noqa: E402,F401
 
 
@@ -27,20 +30,6 @@ class TanhBranch(nn.Module):
 
     def forward(self, x):
         return self.fc(torch.tanh(self.ln(x)))
-
-
-class PreNormBlock(nn.Module):
-    """Pre-norm transformer-like block of width ``c``: two merges (``x = x + f(ln(x))``)."""
-
-    def __init__(self, c: int):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(c), nn.LayerNorm(c)
-        self.f1, self.f2 = nn.Linear(c, c), nn.Sequential(nn.Linear(c, 2 * c), nn.GELU(), nn.Linear(2 * c, c))
-
-    def forward(self, x):
-        x = x + self.f1(torch.tanh(self.ln1(x)))
-        x = x + self.f2(self.ln2(x))
-        return x
 
 
 class PreNormInplaceBlock(PreNormBlock):

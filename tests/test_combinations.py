@@ -19,12 +19,11 @@ import warnings
 import pytest
 import torch
 import torch._dynamo.testing
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_resctl import get_merge_rule, merge_rules, patch_residuals
 from lightning_resctl.runtime.backends import cpu_compile_available
-from models import PreNormBlock, PreNormInplaceBlock
+from models import PreNormBlock, PreNormInplaceBlock, PreNormNet
 
 C, LAYERS = 16, 2
 RULES = [m for m in merge_rules() if m not in ("mgr",)]  # "mgr" is mgr-competitive under its short name
@@ -38,23 +37,6 @@ INPLACE = (False, True)
 # compiled: bf16's rounding (2^-8), should a decomposition round its operands apart from the eager kernel
 # (measured: 0)
 TOL = {("fp32", False): 1e-6, ("fp32", True): 1e-6, ("bf16", False): 1e-6, ("bf16", True): 1e-2}
-
-
-class Net(nn.Module):
-    """Embedding, ``LAYERS`` blocks, head; ``ckpt``: each block in non-reentrant ``torch.utils.checkpoint``."""
-
-    def __init__(self, block=PreNormBlock):
-        super().__init__()
-        self.emb = nn.Linear(C, C)
-        self.blocks = nn.ModuleList(block(C) for _ in range(LAYERS))
-        self.head = nn.Linear(C, 3)
-        self.ckpt = False
-
-    def forward(self, x):
-        x = self.emb(x)
-        for b in self.blocks:
-            x = checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x)
-        return self.head(x)
 
 
 def _x(seed=1):
@@ -73,7 +55,7 @@ def patched_pair(method, ckpt="none", inplace=False):
     """(model to test, its eager non-checkpointed twin with the same parameters); the rule's parameters moved off
     their init (zero-init queries would hide wrong gradients)."""
     torch.manual_seed(0)
-    model = Net(PreNormInplaceBlock if inplace else PreNormBlock)
+    model = PreNormNet(LAYERS, C, PreNormInplaceBlock if inplace else PreNormBlock)
     model.ckpt = ckpt == "ckpt-first"
     report = patch_residuals(model, method=method, example_input=(_x(0),), **exact_options(method))
     g = torch.Generator().manual_seed(3)
@@ -296,7 +278,7 @@ def test_blocks_compiled_on_their_own_that_checkpoint_their_forward_train_as_eag
     step is the eager one, not refused as if the merges had not run."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Net(ForwardCheckpointedBlock)
+    model = PreNormNet(LAYERS, C, ForwardCheckpointedBlock)
     patch_residuals(model, method=method, example_input=(_x(0),), **exact_options(method))
     ref = copy.deepcopy(model)
     run, counter = compiled(model, "per-block")
@@ -325,25 +307,26 @@ def test_a_checkpointed_blocks_recomputation_runs_the_graphs_its_forward_ran(met
 
 
 def test_a_recompile_limit_below_the_chains_merges_is_named_with_the_value_to_set():
-    """A rule whose merges run by their positions (attnres-block) compiles a graph per merge position in a checkpointed
+    """A rule whose merges run by their positions (attnres) compiles a graph per merge position in a checkpointed
     block compiled on its own: a recompile limit below the chain's merges runs the blocks past it eagerly, which the
     user learns from a warning naming the setting and a value. A rule whose merges share their graphs (hc) warns
-    nothing under the same limit."""
+    nothing under the same limit, nor does attnres-block (its stacked state: one structure at any depth)."""
     torch._dynamo.reset()
-    model, ref = patched_pair("attnres-block", "ckpt-first")
+    model, ref = patched_pair("attnres", "ckpt-first")
     run, _ = compiled(model, "per-block")
-    with pytest.warns(UserWarning, match=r"has 4 merges.*attnres-block.*recompile_limit is 3.*recompile_limit = 8"):
+    with pytest.warns(UserWarning, match=r"has 4 merges.*'attnres'.*recompile_limit is 3.*recompile_limit = 8"):
         with torch._dynamo.config.patch(recompile_limit=3):
             got = step(run, model, _x(), "fp32")
     assert_same_step(got, step(ref, ref, _x(), "fp32"), TOL[("fp32", True)])
     torch._dynamo.reset()
-    model, _ = patched_pair("hc", "ckpt-first")
-    run, _ = compiled(model, "per-block")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*recompile_limit")
-        with torch._dynamo.config.patch(recompile_limit=3):
-            step(run, model, _x(), "fp32")
-    torch._dynamo.reset()
+    for method in ("hc", "attnres-block"):
+        model, _ = patched_pair(method, "ckpt-first")
+        run, _ = compiled(model, "per-block")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*recompile_limit")
+            with torch._dynamo.config.patch(recompile_limit=3):
+                step(run, model, _x(), "fp32")
+        torch._dynamo.reset()
 
 
 @pytest.mark.skipif(not cpu_compile_available(), reason="no C++ compiler for inductor")
@@ -400,7 +383,7 @@ def test_mgr_with_its_default_inversion_is_within_the_inversions_rounding():
     checkpointed blocks keep the streams; the two differ by the inversion's rounding only."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Net()
+    model = PreNormNet(LAYERS, C)
     patch_residuals(model, method="mgr-competitive", example_input=(_x(0),))
     ref = copy.deepcopy(model)
     model.ckpt = True

@@ -35,10 +35,14 @@ def _rule(block_size=None, **kw):
     return make_rule("attnres-block", {"block_size": block_size, **kw})
 
 
-def _drive(rule, chain, x, updates, positions=None):
+#: Block AttnRes's two states: the sources as they are, and stacked (``start_apart``: blocks compiled one by one)
+APART = pytest.mark.parametrize("apart", [False, True], ids=["sources", "stacked"])
+
+
+def _drive(rule, chain, x, updates, positions=None, apart=False):
     """Run the chain runtime with fixed updates; returns the h after each merge (and the final state)."""
     k_all = list(range(len(updates))) if positions is None else positions
-    state = rule.start(chain, x)
+    state = (rule.start_apart if apart else rule.start)(chain, x)
     hs = []
     for i, k in enumerate(k_all):
         nxt = k_all[i + 1] if i + 1 < len(k_all) else chain.num_merges
@@ -101,7 +105,8 @@ def test_case4_key_scale_invariance():
         torch.testing.assert_close(a0, torch.full_like(a0, 0.5), rtol=0, atol=1e-12)
 
 
-def test_case5_block_bookkeeping():
+@APART
+def test_case5_block_bookkeeping(apart):
     x = _t(1.0)
     us = [_t(10.0 ** (i + 1)) for i in range(5)]  # distinct powers: each source's value names its members
     table = {0: [1], 1: [1, 10], 2: [1, 110], 3: [1, 110, 1000], 4: [1, 110, 11000]}
@@ -115,15 +120,16 @@ def test_case5_block_bookkeeping():
     for s in (1, 2, 3, 4):
         rule = _rule(block_size=s)
         chain = rule.build_chain(1, 5).to(D)
-        state = rule.start(chain, x)
+        state = (rule.start_apart if apart else rule.start)(chain, x)
         for k in range(5):
             state, _ = rule.step(chain, k, state, us[k], k + 1)
             want = attnres_sources_reference(x, us[:k + 1], s)
             assert [v.item() for v in state.sources()] == [v.item() for v in want], (s, k)
 
 
+@APART
 @pytest.mark.parametrize("affine", [True, False])
-def test_case6_block_size_one_is_full(affine):
+def test_case6_block_size_one_is_full(affine, apart):
     g = torch.Generator().manual_seed(1)
     K, C = 6, 8
     x = torch.randn(3, C, generator=g, dtype=D)
@@ -133,19 +139,20 @@ def test_case6_block_size_one_is_full(affine):
     cf, cb = full.build_chain(C, K).to(D), block.build_chain(C, K).to(D)
     _set_queries(cf, qs)
     _set_queries(cb, qs)
-    for a, b in zip(_drive(full, cf, x, us)[0], _drive(block, cb, x, us)[0]):
+    for a, b in zip(_drive(full, cf, x, us)[0], _drive(block, cb, x, us, apart=apart)[0]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@APART
 @pytest.mark.parametrize("s", [1, 2, 3])
-def test_case6_zero_queries_return_residual_over_sources(s):
+def test_case6_zero_queries_return_residual_over_sources(s, apart):
     g = torch.Generator().manual_seed(2)
     K, C = 7, 8
     x = torch.randn(3, C, generator=g, dtype=D)
     us = [torch.randn(3, C, generator=g, dtype=D) for _ in range(K)]
     rule = _rule(block_size=s)
     chain = rule.build_chain(C, K).to(D)
-    hs, _ = _drive(rule, chain, x, us)
+    hs, _ = _drive(rule, chain, x, us, apart=apart)
     for k, h in enumerate(hs):
         r = x + sum(us[:k + 1])
         torch.testing.assert_close(h, r / num_sources(k + 1, s), rtol=1e-12, atol=1e-12)
@@ -165,8 +172,9 @@ def test_case7_prenorm_gpt_identity_at_init_with_eps_zero(method):
 
 
 # ---------------------------------------------------------------------------------------------- runtime vs oracle
+@APART
 @pytest.mark.parametrize("s", [1, 2, 3, 5])
-def test_runtime_matches_the_oracle_with_gradients(s):
+def test_runtime_matches_the_oracle_with_gradients(s, apart):
     g = torch.Generator().manual_seed(3)
     K, C = 6, 8
     ws = [torch.randn(C, C, generator=g, dtype=D) / C ** 0.5 for _ in range(K)]
@@ -180,11 +188,12 @@ def test_runtime_matches_the_oracle_with_gradients(s):
     qs = [m.pool_query for m in chain.merges]
     gs = [m.key_norm_weight for m in chain.merges]
     grads = assert_runtime_matches_oracle(rule, chain, x, branches,
-                                          lambda: attnres_chain_reference(x, branches, qs, gs, s), qs + gs)
+                                          lambda: attnres_chain_reference(x, branches, qs, gs, s), qs + gs, apart)
     assert all(gq.abs().sum() > 0 for gq in grads[1:K + 1])  # every query is used (DDP)
 
 
-def test_absent_merge_leaves_the_block_structure_by_position():
+@APART
+def test_absent_merge_leaves_the_block_structure_by_position(apart):
     """Merge 1 does not run (e.g. eval-only): the runtime equals the oracle with u_1 = 0 (block boundaries are by
     position; the partial u_0 is closed when merge 2 starts the next block)."""
     g = torch.Generator().manual_seed(4)
@@ -196,7 +205,7 @@ def test_absent_merge_leaves_the_block_structure_by_position():
     with torch.no_grad():
         for m in chain.merges:
             m.pool_query.normal_(generator=g)
-    hs, state = _drive(rule, chain, x, us, positions=[0, 2, 3])
+    hs, state = _drive(rule, chain, x, us, positions=[0, 2, 3], apart=apart)
     zero = [us[0], torch.zeros_like(us[1]), us[2], us[3]]
     assert [v.tolist() for v in state.sources()] == [v.tolist() for v in attnres_sources_reference(x, zero, 2)]
     ref, _ = attnres_pool_reference(torch.stack(attnres_sources_reference(x, zero[:1], 2), -2),
@@ -204,7 +213,8 @@ def test_absent_merge_leaves_the_block_structure_by_position():
     torch.testing.assert_close(hs[0], ref, rtol=1e-12, atol=1e-12)
 
 
-def test_skip_drops_the_update_from_every_source():
+@APART
+def test_skip_drops_the_update_from_every_source(apart):
     g = torch.Generator().manual_seed(5)
     C = 4
     x = torch.randn(2, C, generator=g, dtype=D)
@@ -212,7 +222,7 @@ def test_skip_drops_the_update_from_every_source():
     for s in (1, 2):
         rule = _rule(block_size=s)
         chain = rule.build_chain(C, 3).to(D)
-        state = rule.start(chain, x)
+        state = (rule.start_apart if apart else rule.start)(chain, x)
         state, _ = rule.step(chain, 0, state, us[0], 1)
         state, _ = rule.skip(chain, 1, state, 2)
         state, h = rule.step(chain, 2, state, us[2], 3)
@@ -232,7 +242,8 @@ def test_default_block_size_and_num_blocks():
 
 
 # ---------------------------------------------------------------------------------------------- dtype, memory
-def test_bf16_streams_fp32_pool():
+@APART
+def test_bf16_streams_fp32_pool(apart):
     g = torch.Generator().manual_seed(6)
     C, K = 16, 4
     x = torch.randn(2, C, generator=g).bfloat16()
@@ -242,8 +253,8 @@ def test_bf16_streams_fp32_pool():
     with torch.no_grad():
         for m in chain.merges:
             m.pool_query.normal_(generator=g)
-    hs, state = _drive(rule, chain, x, us)
-    assert all(h.dtype == torch.bfloat16 for h in hs) and state.blocks[0].dtype == torch.float32
+    hs, state = _drive(rule, chain, x, us, apart=apart)
+    assert all(h.dtype == torch.bfloat16 for h in hs) and state.sources()[0].dtype == torch.float32
     ref, _ = attnres_pool_reference(torch.stack(attnres_sources_reference(x.double(), [u.double() for u in us], 2), -2),
                                     chain.merges[-1].pool_query.double())
     torch.testing.assert_close(hs[-1].double(), ref, rtol=1e-2, atol=1e-2)

@@ -42,12 +42,13 @@ def randomize_new_parameters(model, report, std=0.3, seed=3):
             p.add_(torch.randn(p.shape, generator=g) * std)
 
 
-def assert_runtime_matches_oracle(rule, chain, x, branches, oracle, params):
+def assert_runtime_matches_oracle(rule, chain, x, branches, oracle, params, apart=False):
     """Drive ``rule``'s runtime over ``branches`` from ``x`` and compare every h, the output and the gradients of
-    ``[x] + params`` with ``oracle() -> (output, [h_0, ...])`` (fp64 tolerances)."""
+    ``[x] + params`` with ``oracle() -> (output, [h_0, ...])`` (fp64 tolerances); ``apart``: the state the rule
+    starts when its merges are compiled apart from the chain's owner (``start_apart``)."""
     out_ref, hs_ref = oracle()
     grads_ref = torch.autograd.grad(out_ref.square().sum(), [x] + params)
-    state, h, hs = rule.start(chain, x), x, []
+    state, h, hs = (rule.start_apart if apart else rule.start)(chain, x), x, []
     for k, f in enumerate(branches):
         hs.append(h)
         state, h = rule.step(chain, k, state, f(h), k + 1)

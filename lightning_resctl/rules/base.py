@@ -207,6 +207,12 @@ class ChainRule(MergeRule):
         """State entering the chain's first merge; ``x``: the stream, features last."""
         raise NotImplementedError
 
+    def start_apart(self, chain: nn.Module, x: Tensor) -> Any:
+        """:meth:`start` when the chain's merges run in compiled graphs apart from its owner's forward (blocks
+        compiled one by one): a rule whose state's structure grows from merge to merge returns one of a structure
+        that does not (a compiled graph per structure), the same math. The default: :meth:`start`."""
+        return self.start(chain, x)
+
     def step(self, chain: nn.Module, k: int, state: Any, u: Tensor, next_k: int) -> tuple[Any, Tensor]:
         """Merge ``u`` as merge ``k``; return ``(state, h)``, ``h`` = what merge ``next_k``'s branch reads
         (``next_k == num_merges``: the chain output). Merges strictly between ``k`` and ``next_k`` do not

@@ -145,6 +145,7 @@ class ChainRun:
         self.done = False         # the chain produced its output in this forward
         self.last_site: Optional[str] = None
         self.lead: Any = None     # the chain's leading shape (the stream's, features last)
+        self.owner_traced = False  # the owner's forward is traced with the merges (set when it starts)
         for site in getattr(self, "members", ()):
             site.calls_in_forward = 0
 
@@ -201,13 +202,17 @@ class ChainRun:
 
 
 class ChainStart:
-    """Forward pre-hook of a chain's owner: a new forward starts a new chain run, on the chain module that runs."""
+    """Forward pre-hook of a chain's owner: a new forward starts a new chain run, on the chain module that runs, and
+    notes whether the owner's forward is traced (a whole-model compile: the chain is one graph) or not (eager, or
+    blocks compiled one by one: a merge traced then runs in a graph apart from the chain's start, see
+    :meth:`~lightning_resctl.rules.ChainRule.start_apart`)."""
 
     def __init__(self, run: ChainRun) -> None:
         self.run = run
 
     def __call__(self, module, args):
         self.run.reset()
+        self.run.owner_traced = torch.compiler.is_compiling()
         for site in self.run.members:  # the chain module that runs now (e.g. PEFT's copy of it while adapters are on)
             site.bind_positions()
 

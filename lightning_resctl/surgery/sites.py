@@ -319,8 +319,9 @@ class MergeSite(nn.Module):
         moved = d != -1 and d != stream.dim() - 1
         s = stream.movedim(d, -1) if moved else stream
         u = update.movedim(d, -1) if moved else update
-        if state is None:
-            state = rule.start(chain, s)
+        if state is None:  # a chain whose merges are compiled in graphs apart from its owner's forward: start_apart
+            apart = torch.compiler.is_compiling() and not run.owner_traced
+            state = (rule.start_apart if apart else rule.start)(chain, s)
             lead = s.shape[:-1]
         if self.observer is not None and phase != "recompute":  # (no branch on the phase in the math's graph)
             self.current_position = at.k

@@ -10,6 +10,12 @@ autograd saves only views of the sources, the logits and the m weights per token
 (that would be O(K^2 C) memory for Full AttnRes). The weighted sum reads every source at every merge: Full
 AttnRes costs O(K^2) passes over (..., C) by construction, its logits O(K) (docs/rules/attnres.md).
 
+In blocks compiled one by one, Block AttnRes (``attnres-block``) keeps a state of one structure at every merge instead
+(:class:`BlockState`): its completed blocks stacked ``(..., m, C)``, so that the blocks share their graphs at any
+depth (a growing tuple is a new graph per length; dynamo makes ``m`` a dynamic size). A block closes every S merges,
+so m stays small (about 8 with the default S) and the stacks it leaves are few: the completed blocks' key logits are
+taken per merge (one pass over m sources, as the weighted sum is), their rms once per block.
+
 Every function takes the :class:`~.modules.AttnResChain` as ``chain`` (its sites' queries, block size and eps);
 the modules sit over these ops, which do not import them.
 """
@@ -22,7 +28,8 @@ from torch import Tensor
 
 from ...runtime.autograd import autocast_off, fp32_matmul
 
-__all__ = ["AttnResState", "site_queries", "block_logits", "pool", "advance"]
+__all__ = ["AttnResState", "site_queries", "block_logits", "pool", "advance", "BlockState", "block_start",
+           "block_advance", "block_pool"]
 
 
 class AttnResState(NamedTuple):
@@ -151,3 +158,53 @@ def advance(chain, k: int, state: AttnResState, u: Optional[Tensor]) -> AttnResS
     if p is not None and t % s == 0:
         (blocks, logits, first), p = close(p), None
     return AttnResState(blocks, logits, first, p, t, state.queries)
+
+
+# ---------------------------------------------------------------------------------------------- Block AttnRes
+class BlockState(NamedTuple):
+    """Block AttnRes's state entering a merge, one structure at any depth: the completed blocks stacked
+    ``(..., m, C)`` (b_0 = x first), their key rms ``(..., m)``, the partial block (zeros while empty: adding an
+    update to it is exact) and whether it holds any update (``open``)."""
+
+    blocks: Tensor
+    rms: Tensor
+    partial: Tensor
+    open: bool
+
+    def sources(self) -> list:
+        return list(self.blocks.unbind(-2)) + ([self.partial] if self.open else [])
+
+
+def block_start(chain, v: Tensor) -> BlockState:
+    """The state entering the first merge: ``x`` (in the compute dtype) the only completed block."""
+    return BlockState(v.unsqueeze(-2), _rms(v, chain.eps), torch.zeros_like(v), False)
+
+
+def block_advance(chain, state: BlockState, u: Optional[Tensor], closes: bool) -> BlockState:
+    """Add ``u`` (None: dropped) to the partial block; ``closes``: the partial is complete after this merge (a block
+    boundary, or the next merge that runs is in a later block) and joins the stack. With an update the result's
+    structure depends on ``closes`` only (the incoming ``open`` is not read: one graph for every such merge)."""
+    p = state.partial if u is None else state.partial + u
+    is_open = u is not None or state.open
+    if not (closes and is_open):
+        return BlockState(state.blocks, state.rms, p, is_open and not closes)
+    # the empty partial as p - p (zeros, exact for finite p): a tensor with p's requires_grad, so that every merge
+    # with an update sees a state of one structure (zeros_like would differ from an open partial in requires_grad)
+    return BlockState(torch.cat([state.blocks, p.unsqueeze(-2)], -2), torch.cat([state.rms, _rms(p, chain.eps)], -1),
+                      p - p, False)
+
+
+def block_pool(state: BlockState, query: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Pool the state's sources with a site's ``query`` (``q * g``): ``(h, alpha)`` in the compute dtype. Autograd
+    saves the stack (no copy), the partial and the m + 1 weights per token."""
+    b = state.blocks
+    z = (b * query).sum(-1) * state.rms
+    p = state.partial
+    if state.open:
+        z = torch.cat([z, (p * query).sum(-1, keepdim=True) * _rms(p, eps)], -1)
+    alpha = torch.softmax(z, dim=-1)
+    m = b.shape[-2]
+    h = (alpha[..., :m].unsqueeze(-1) * b).sum(-2)
+    if state.open:
+        h = h + alpha[..., m:] * p
+    return h, alpha

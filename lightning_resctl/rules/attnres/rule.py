@@ -10,8 +10,8 @@ from torch import Tensor
 from ..base import ChainRule, register_merge_rule
 from ..common import compute_dtype
 from .config import AttnResConfig, BlockAttnResConfig
-from .modules import AttnResChain
-from .ops import AttnResState, advance, block_logits, pool, site_queries
+from .modules import AttnResChain, BlockAttnResPosition
+from .ops import AttnResState, BlockState, advance, block_logits, block_start, pool, site_queries
 from .reference import default_block_size
 
 __all__ = ["AttnResRule", "BlockAttnResRule"]
@@ -55,7 +55,7 @@ class AttnResRule(ChainRule):
 
     def streams(self, chain, state):
         """The current sources stacked ``(..., m, C)`` (diagnostics only: a copy)."""
-        return torch.stack(state.sources(), dim=-2) if isinstance(state, AttnResState) else state
+        return torch.stack(state.sources(), dim=-2) if isinstance(state, (AttnResState, BlockState)) else state
 
     def weights(self, chain, k: int, state: AttnResState, u: Tensor) -> Tensor:
         """alpha ``(..., m)`` of site k: its query over the sources after merging ``u`` into ``state``."""
@@ -70,20 +70,45 @@ class AttnResRule(ChainRule):
         return AttnResStats(num_depths, max(sizes) if sizes else num_depths + 1)
 
     def observe(self, stats, depth, site, position, stream, update, state):
-        if not isinstance(state, AttnResState):
+        if not isinstance(state, (AttnResState, BlockState)):
             return
         d = site.dim
         u = update.detach()
         if d != -1 and d != u.dim() - 1:
             u = u.movedim(d, -1)
-        u = u.reshape(state.blocks[0].shape)
+        u = u.reshape(state.sources()[0].shape)
         stats.update(depth, alpha=self.weights(site.chain_module, int(position), state, u))
 
 
 class BlockAttnResRule(AttnResRule):
+    """Block AttnRes: as Full AttnRes over blocks of S merges. In blocks compiled one by one its state has one
+    structure at any depth (:meth:`start_apart`: :class:`~.ops.BlockState`, the completed blocks stacked); eager and
+    in a whole-model compile, the sources as they are (:class:`~.ops.AttnResState`: no stacked copies to save)."""
+
     Config = BlockAttnResConfig
     description = "Block Attention Residuals: sub-layers read a softmax-weighted mix of block sums of updates"
     chain_attr = "_resctl_attnres_block"
+
+    def start_apart(self, chain, x):
+        return block_start(chain, x.to(compute_dtype(x)))
+
+    def position(self, chain, k, next_k):
+        return BlockAttnResPosition(self, chain, k, next_k)
+
+    def step(self, chain, k, state, u, next_k):
+        if isinstance(state, BlockState):
+            return self.position(chain, k, next_k).step(state, u)
+        return super().step(chain, k, state, u, next_k)
+
+    def skip(self, chain, k, state, next_k):
+        if isinstance(state, BlockState):
+            return self.position(chain, k, next_k).skip(state)
+        return super().skip(chain, k, state, next_k)
+
+    def weights(self, chain, k, state, u):
+        if isinstance(state, BlockState):
+            return self.position(chain, k, k + 1).weights(state, u)
+        return super().weights(chain, k, state, u)
 
     def block_size(self, num_merges):
         c = self.config
