@@ -9,13 +9,18 @@
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
 
 __all__ = ["NanoGPT", "CausalSelfAttention", "MLP", "Block", "TinyViT", "ViTBlock", "BranchyNet"]
 
 
-# The nanoGPT is the compare job's built-in model: one definition; the pre-norm blocks live with the benchmarks'.
+# The nanoGPT is the compare job's built-in model: one definition; the pre-norm blocks live with the benchmarks' (the
+# repository root on the path also for the scripts the tests start in processes of their own).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.models import PreNormBlock, PreNormNet  # noqa: E402,F401
 from lightning_resctl.compare.nanogpt import MLP, Block, CausalSelfAttention, NanoGPT  # noqa: E402,F401
 
