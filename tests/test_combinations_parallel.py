@@ -11,16 +11,13 @@ a tensor-parallel forward whose rule parameters were not put on the mesh.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import _resctl_tp_script as script
 from lightning_resctl import parallelize_residuals
 from lightning_resctl.rules import get_merge_rule
+from processes import start_runs, wait_for_runs
 
 REL = 1e-12  # fp64: the parallel runs sum the same products in another order
 BF16_VS_PLAIN = 3.0  # the recipe (bf16 compute): a rule's gradients may differ from fp32 at most 3x the plain model's
@@ -29,20 +26,11 @@ BF16_VS_PLAIN = 3.0  # the recipe (bf16 compute): a rule's gradients may differ 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore", LIGHTNING_RESCTL_COMPILE="0")
-    env.pop("LOCAL_RANK", None)
-    procs = {mode: subprocess.Popen([sys.executable, script.__file__, mode, str(out)], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for mode in ("raw", "lightning", "recipe")}
+    procs = start_runs(script.__file__, {mode: (mode, out) for mode in ("raw", "lightning", "recipe")},
+                       LIGHTNING_RESCTL_COMPILE="0")
     references = {method: single_process(method) for method in script.RULES}  # meanwhile
     recipe_references = {case: fp32_gradients(case) for case in script.RECIPE_CASES}
-    for mode, p in procs.items():
-        try:
-            log, _ = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            log, _ = p.communicate()
-        assert p.returncode == 0, f"{mode} run failed:\n{log[-4000:]}"
+    wait_for_runs(procs, timeout=300)
     loaded = {name: torch.load(out / f"{name}.pt", weights_only=False)
               for name in ("raw_rank0", "raw_rank1", "lightning_rank0", "lightning_rank1", "recipe_rank0")}
     return {**loaded, "single": references, "recipe_single": recipe_references}

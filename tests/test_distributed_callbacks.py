@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ import torch
 from tbparse import SummaryReader
 
 import _resctl_dist_script as script
+from processes import start_runs, wait_for_runs
 
 SCRIPT = Path(__file__).resolve().parent / "_resctl_dist_script.py"
 FORWARD = ("stream_rms", "update_rms", "update_ratio", "growth", "max_abs", "max_over_median",
@@ -27,23 +25,10 @@ FORWARD = ("stream_rms", "update_rms", "update_ratio", "growth", "max_abs", "max
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    env.pop("LOCAL_RANK", None)
-    procs = {
-        mode: subprocess.Popen([sys.executable, str(SCRIPT), mode, str(out)] + extra, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for mode, extra in (("ddp", []), ("fsdp", []))
-    }
+    procs = start_runs(SCRIPT, {mode: (mode, out) for mode in ("ddp", "fsdp")})
     # single-process references on the union of the ranks' data, meanwhile
     script.main("single", out, "competitive", name="single")
-    logs = {}
-    for mode, p in procs.items():
-        try:
-            logs[mode], _ = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            logs[mode], _ = p.communicate()
-        assert p.returncode == 0, f"{mode} run failed:\n{logs[mode][-4000:]}"
+    wait_for_runs(procs, timeout=240)
     return out
 
 

@@ -4,9 +4,6 @@ weights and batches (tests/_resctl_fabric_script.py runs them)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ from tbparse import SummaryReader
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import _resctl_fabric_script as script
+from processes import start_runs, wait_for_runs
 
 SCRIPT = Path(__file__).resolve().parent / "_resctl_fabric_script.py"
 FIGURES = ("depth_profile/rms", "depth_profile/ratio", "depth_heatmap/stream_rms", "depth_heatmap/growth",
@@ -24,18 +22,10 @@ FIGURES = ("depth_profile/rms", "depth_profile/ratio", "depth_heatmap/stream_rms
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    env.pop("LOCAL_RANK", None)
-    two = subprocess.Popen([sys.executable, str(SCRIPT), "fabric", str(out), "2", "fabric2"], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    two = start_runs(SCRIPT, {"two-process Fabric": ("fabric", out, 2, "fabric2")})
     script.main("trainer", out)                    # the references, in this process, meanwhile
     script.main("fabric", out, 1, "fabric1")
-    try:
-        log, _ = two.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        two.kill()
-        log, _ = two.communicate()
-    assert two.returncode == 0, f"two-process Fabric run failed:\n{log[-4000:]}"
+    wait_for_runs(two, timeout=300)
     return out
 
 

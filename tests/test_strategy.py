@@ -12,8 +12,6 @@ recipe against a plain Trainer with the callback, and the refusals, each naming 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import lightning as L
 import pytest
@@ -27,6 +25,7 @@ from lightning_resctl.callbacks import ResidualControlCallback
 from lightning_resctl.distributed.blocks import find_blocks
 from lightning_resctl.distributed.plan import sequence_parallel_of
 from models import PreNormBlock
+from processes import start_runs, wait_for_runs
 from test_combinations_parallel import assert_close
 
 REL = 1e-12  # fp64: the parallel runs sum the same products in another order
@@ -49,19 +48,9 @@ def reference(method: str, steps: int = strategy_script.STEPS) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("strategy")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore", LIGHTNING_RESCTL_COMPILE="0")
-    env.pop("LOCAL_RANK", None)
-    procs = {mode: subprocess.Popen([sys.executable, strategy_script.__file__, mode, str(out)], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for mode in RANKS}
+    procs = start_runs(strategy_script.__file__, {mode: (mode, out) for mode in RANKS}, LIGHTNING_RESCTL_COMPILE="0")
     references = {method: reference(method) for method in strategy_script.EVERY_RULE}  # meanwhile
-    for mode, p in procs.items():
-        try:
-            log, _ = p.communicate(timeout=400)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            log, _ = p.communicate()
-        assert p.returncode == 0, f"{mode} run failed:\n{log[-4000:]}"
+    wait_for_runs(procs, timeout=400)
     loaded = {f"{mode}{r}": torch.load(out / f"{mode}_rank{r}.pt", weights_only=False)
               for mode, ranks in RANKS.items() for r in range(ranks)}
     return {**loaded, "single": references, "out": out}

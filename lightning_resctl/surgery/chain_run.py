@@ -139,13 +139,13 @@ class ChainRun:
             self._next[mode][-1] = seq[0] if seq else num_merges   # before any merge: the first one expected
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, owner_traced: bool = False) -> None:
         self.state: Any = None
         self.last = -1            # position of the last merge run in this forward (TRACED: a traced merge's)
         self.done = False         # the chain produced its output in this forward
         self.last_site: Optional[str] = None
         self.lead: Any = None     # the chain's leading shape (the stream's, features last)
-        self.owner_traced = False  # the owner's forward is traced with the merges (set when it starts)
+        self.owner_traced = owner_traced  # the owner's forward is traced with the merges (ChainStart says)
         for site in getattr(self, "members", ()):
             site.calls_in_forward = 0
 
@@ -193,26 +193,21 @@ class ChainRun:
         return run
 
     def __getstate__(self):
-        return {"index": self.index, "num_merges": self.num_merges, "expected": self.expected, "sites": self.sites,
-                "members": self.members}
+        return {k: getattr(self, k) for k in ("index", "num_merges", "expected", "sites", "members")}
 
     def __setstate__(self, state):
-        self.__init__(state["index"], state["num_merges"], state["expected"], state.get("sites", ()),
-                      state.get("members", ()))
+        self.__init__(*(state.get(k, ()) for k in ("index", "num_merges", "expected", "sites", "members")))
 
 
 class ChainStart:
     """Forward pre-hook of a chain's owner: a new forward starts a new chain run, on the chain module that runs, and
-    notes whether the owner's forward is traced (a whole-model compile: the chain is one graph) or not (eager, or
-    blocks compiled one by one: a merge traced then runs in a graph apart from the chain's start, see
-    :meth:`~lightning_resctl.rules.ChainRule.start_apart`)."""
+    notes whether the owner's forward is traced (False with blocks compiled one by one: ``ChainRule.start_apart``)."""
 
     def __init__(self, run: ChainRun) -> None:
         self.run = run
 
     def __call__(self, module, args):
-        self.run.reset()
-        self.run.owner_traced = torch.compiler.is_compiling()
+        self.run.reset(owner_traced=torch.compiler.is_compiling())
         for site in self.run.members:  # the chain module that runs now (e.g. PEFT's copy of it while adapters are on)
             site.bind_positions()
 
@@ -427,9 +422,8 @@ _GRAPH_BREAK = (
 
 def _enter_chain_at_a_graph_break(site: nn.Module, run: ChainRun, stream: torch.Tensor, origin: torch.Tensor,
                                   phase: Optional[str]) -> tuple:
-    """:func:`enter_chain` for a block compiled on its own inside a checkpointed region, at its graph break. A rule
-    whose merges run by their positions (``ChainPosition.shares_graphs`` False: ``attnres``) compiles a graph per
-    position, so a recompile limit below the chain's merges runs the blocks past it eagerly: named here."""
+    """:func:`enter_chain` in a block compiled on its own inside a checkpointed region, at its graph break; names a
+    recompile limit below the merges of a rule that compiles a graph per position (``shares_graphs`` False)."""
     out = enter_chain(site, run, stream, origin, phase)
     limit = torch._dynamo.config.recompile_limit
     if not out[2].shares_graphs and run.num_merges >= limit and not run.__dict__.get("_warned_recompile_limit"):
@@ -449,6 +443,7 @@ move_entry_eagerly = torch.compiler.disable(move_entry, reason=_GRAPH_BREAK)
 
 
 def storage_ptr(t: torch.Tensor) -> Optional[int]:
+    """The address of ``t``'s storage, or None (no storage: a fake or meta tensor)."""
     try:
         return t.untyped_storage().data_ptr() or None
     except (RuntimeError, NotImplementedError, TypeError):
