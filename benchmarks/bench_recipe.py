@@ -2,14 +2,15 @@
 
     python benchmarks/bench_recipe.py [--layers 12 24 48] [--C 256] [--T 64] [--batch 8] [--reps 15]
                                       [--rules NAMES] [--backend inductor] [--threads N] [--device cuda]
-                                      [--dtype bf16]
+                                      [--dtype bf16] [--fullgraph]
 
 The nanoGPT of ``lightning_resctl/compare/nanogpt.py`` (C=256, 4 heads, T=64, batch 8 unless given) at each depth of
 ``--layers``, in one process, built as the recipe builds it: patched with ``patch_residuals`` (plain: not patched),
 then, by ResidualParallelStrategy's own per-block code (``lightning_resctl.distributed.recipe.wrap_blocks``),
 each block compiled on its own (``block.compile(backend=...)``) and wrapped in ``checkpoint_wrapper``
-(non-reentrant ``torch.utils.checkpoint`` around the compiled block). One training step (forward, next-token loss,
-backward, AdamW) of every variant, interleaved, median wall clock over ``--reps`` after
+(non-reentrant ``torch.utils.checkpoint`` around the compiled block; ``--fullgraph``: the strategy's other order,
+``checkpoint_wrapper`` first, then the wrapper compiled with ``fullgraph=True``). One training step (forward,
+next-token loss, backward, AdamW) of every variant, interleaved, median wall clock over ``--reps`` after
 the first step (its compile time, shown apart) and ``--warmup`` steps; peak memory: on CPU the allocator's peak over
 the forward and backward of one loss beyond what it held before (``torch.profiler`` memory events, as
 ``bench_checkpoint_memory.py`` measures it), on CUDA ``torch.cuda.max_memory_allocated`` over the same beyond what
@@ -42,14 +43,15 @@ from step_bench import build_rows, ratio, rule_installer, time_interleaved  # no
 MIB = 2 ** 20
 
 
-def recipe(install, counter):
+def recipe(install, counter, fullgraph: bool = False):
     """An installer: ``install`` (the patch, or nothing for plain), then what ResidualParallelStrategy does per
-    block (its blocks found as it finds them, each compiled with the counting backend ``counter``, then
-    checkpointed around the compiled block)."""
+    block (its blocks found as it finds them, each compiled with the counting backend ``counter`` and checkpointed:
+    around the compiled block, or inside it with ``fullgraph``)."""
 
     def build(model):
         model = install(model) if install is not None else model
-        wrap_blocks(model, find_blocks(model), "blocks", {"backend": counter})
+        options = {"backend": counter, **({"fullgraph": True} if fullgraph else {})}
+        wrap_blocks(model, find_blocks(model), "blocks", options)
         return model
     return build
 
@@ -75,9 +77,10 @@ def measure(args, layers: int, rules: list) -> list[dict]:
                    n_embd=args.C).to(device)
     idx = torch.randint(0, args.vocab, (args.batch, args.T), generator=torch.Generator().manual_seed(0)).to(device)
     counters = {name: torch._dynamo.testing.CompileCounterWithBackend(args.backend) for name in ["plain", *rules]}
-    variants = [(name, recipe(rule_installer(name, {}, idx[:2]), counters[name]), None) for name in rules]
+    variants = [(name, recipe(rule_installer(name, {}, idx[:2]), counters[name], args.fullgraph), None)
+                for name in rules]
     rows = build_rows(base, variants, lr=1e-4)
-    rows[0]["model"] = recipe(None, counters["plain"])(rows[0]["model"])  # plain: the same parameters
+    rows[0]["model"] = recipe(None, counters["plain"], args.fullgraph)(rows[0]["model"])  # plain: the same parameters
     time_interleaved(rows, idx, reps=args.reps, warmup=args.warmup, dtype=args.dtype)
     for r in rows:
         r["graphs"] = counters[r["label"]].frame_count
@@ -91,7 +94,8 @@ def measure(args, layers: int, rules: list) -> list[dict]:
 def print_table(args, layers: int, rows: list[dict]) -> None:
     plain = rows[0]
     print(f"\n{layers}-layer nanoGPT, C={args.C}, {args.heads} heads, T={args.T}, batch {args.batch}, {args.dtype}, "
-          f"{args.device}, {torch.get_num_threads()} threads; blocks compiled ({args.backend}) and checkpointed; "
+          f"{args.device}, {torch.get_num_threads()} threads; blocks compiled ({args.backend}) and checkpointed "
+          f"({'inside the compiled block, fullgraph' if args.fullgraph else 'around the compiled block'}); "
           f"median of {args.reps} steps")
     print("| model | graphs | ms/step | step time / plain | peak MiB | peak / plain | first step (s) |")
     print("|---|---|---|---|---|---|---|")
@@ -112,6 +116,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: leave the machine's)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast")
+    p.add_argument("--fullgraph", action="store_true",
+                   help="checkpoint inside the compiled block, compiled with fullgraph=True (the strategy's "
+                        "compile={'fullgraph': True})")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
