@@ -196,7 +196,8 @@ class ChainRun:
         return {k: getattr(self, k) for k in ("index", "num_merges", "expected", "sites", "members")}
 
     def __setstate__(self, state):
-        self.__init__(*(state.get(k, ()) for k in ("index", "num_merges", "expected", "sites", "members")))
+        self.__init__(state["index"], state["num_merges"], state["expected"], state.get("sites", ()),
+                      state.get("members", ()))
 
 
 class ChainStart:
@@ -443,7 +444,6 @@ move_entry_eagerly = torch.compiler.disable(move_entry, reason=_GRAPH_BREAK)
 
 
 def storage_ptr(t: torch.Tensor) -> Optional[int]:
-    """The address of ``t``'s storage, or None (no storage: a fake or meta tensor)."""
     try:
         return t.untyped_storage().data_ptr() or None
     except (RuntimeError, NotImplementedError, TypeError):
