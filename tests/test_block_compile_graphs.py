@@ -102,3 +102,13 @@ def test_blocks_compiled_one_by_one_compile_the_same_graphs_at_any_depth(method)
 def test_checkpointed_blocks_compiled_one_by_one_compile_the_same_graphs_at_any_depth(method, ckpt):
     counts = [unique_graphs(method, d, ckpt, compare=d == DEPTHS[0]) for d in DEPTHS]
     assert counts[0] == counts[1], f"unique graphs at {DEPTHS} blocks: {counts}"
+
+
+@pytest.mark.parametrize("method", ["mgr-competitive", "hc", "attnres-block"])
+def test_the_strategys_checkpointed_blocks_compile_the_graphs_of_blocks_not_checkpointed(method):
+    """ResidualParallelStrategy's checkpoint around each compiled block (``wrap_blocks``: ``checkpoint_wrapper`` with
+    ``checkpoint_block``) keeps the chains' state at the block: the merges trace into the block's graph with no graph
+    break before and after each (what ``torch.utils.checkpoint`` around the block costs, ``outside``), so the blocks
+    compile the graphs of blocks compiled without checkpointing, at any depth, and train as the eager model does."""
+    counts = [unique_graphs(method, d, "strategy", compare=d == DEPTHS[0]) for d in DEPTHS]
+    assert counts == [unique_graphs(method, DEPTHS[0], "none")] * len(DEPTHS), counts

@@ -4,10 +4,12 @@ Every case trains one step of a tiny patched model and compares its logits and g
 eagerly, without checkpointing (the reference): a combination that breaks shows at once. Compile modes: ``eager``,
 ``whole`` (``torch.compile(model)``, aot_eager), ``per-block`` (each block compiled on its own, aot_eager, the
 checkpoint around the compiled block) and ``fullgraph`` (the whole model, ``fullgraph=True``); checkpointing: none,
-or each block in non-reentrant ``torch.utils.checkpoint``, switched on before the patch (``ckpt-first``) or after it
-(``patch-first``); precision fp32 or bf16 autocast; the blocks' second merge written out of place or in place
-(``y += x``). The cases are a pairwise cover (every pair of levels of any two factors in some case, every rule with
-every compile mode), not the full product. Tensor and sequence parallelism have their own file."""
+each block in non-reentrant ``torch.utils.checkpoint``, switched on before the patch (``ckpt-first``) or after it
+(``patch-first``), or ResidualParallelStrategy's ``wrap_blocks`` (``strategy``: ``checkpoint_wrapper`` with
+``checkpoint_block``, which keeps a chain's state at the block, around each block, compiled first per block);
+precision fp32 or bf16 autocast; the blocks' second merge written out of place or in place (``y += x``). The cases
+are a pairwise cover (every pair of levels of any two factors in some case, every rule with every compile mode), not
+the full product. Tensor and sequence parallelism have their own file."""
 from __future__ import annotations
 
 import contextlib
@@ -22,6 +24,7 @@ import torch._dynamo.testing
 from torch.utils.checkpoint import checkpoint
 
 from lightning_resctl import get_merge_rule, merge_rules, patch_residuals
+from lightning_resctl.distributed.recipe import wrap_blocks
 from lightning_resctl.runtime.backends import cpu_compile_available
 from models import PreNormBlock, PreNormInplaceBlock, PreNormNet
 
@@ -29,7 +32,7 @@ C, LAYERS = 16, 2
 RULES = [m for m in merge_rules() if m not in ("mgr",)]  # "mgr" is mgr-competitive under its short name
 CHAIN = [m for m in RULES if get_merge_rule(m).kind == "chain"]
 COMPILE = ("eager", "whole", "per-block", "fullgraph")
-CKPT = ("none", "ckpt-first", "patch-first")
+CKPT = ("none", "ckpt-first", "patch-first", "strategy")
 PRECISION = ("fp32", "bf16")
 INPLACE = (False, True)
 # relative error (per logits / per parameter's gradient) against the eager, non-checkpointed patched model, keyed by
@@ -64,15 +67,21 @@ def patched_pair(method, ckpt="none", inplace=False):
             p = model.get_parameter(name)
             p.add_(torch.randn(p.shape, generator=g) * 0.3)
     ref = copy.deepcopy(model)
-    model.ckpt, ref.ckpt = ckpt != "none", False
+    model.ckpt, ref.ckpt = ckpt in ("ckpt-first", "patch-first"), False
     return model, ref
 
 
-def compiled(model, mode, backend="aot_eager"):
-    """``model`` as ``mode`` runs it: the callable, and the compile counter (None when eager)."""
+def compiled(model, mode, backend="aot_eager", ckpt=None):
+    """``model`` as ``mode`` runs it: the callable, and the compile counter (None when eager); ``ckpt="strategy"``:
+    its blocks wrapped (and compiled, per block) by the strategy's ``wrap_blocks``."""
+    counter = None if mode == "eager" else torch._dynamo.testing.CompileCounterWithBackend(backend)
+    if ckpt == "strategy":
+        blocks = [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+        wrap_blocks(model, blocks, "blocks", {"backend": counter} if mode == "per-block" else None)
+        if mode in ("eager", "per-block"):
+            return model, counter
     if mode == "eager":
         return model, None
-    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     if mode == "per-block":
         for b in model.blocks:
             b.compile(backend=counter)
@@ -86,7 +95,8 @@ def step(run, model, x, precision):
     with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
         logits = run(x)
     logits.float().square().mean().backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    grads = {k.replace("_checkpoint_wrapped_module.", ""): p.grad.clone() for k, p in model.named_parameters()
+             if p.grad is not None}
     return logits.detach().float(), grads
 
 
@@ -106,8 +116,8 @@ def assert_same_step(got, want, rel):
 
 def pairwise_cover():
     """Cases (rule, compile, ckpt, precision, inplace): every rule with every compile mode, every chain rule compiled
-    per block under checkpointing in both orders (finding 1), and the remaining factors chosen greedily until every
-    pair of levels of any two factors occurs in some case."""
+    per block under each checkpointing (finding 1: both orders of the flag; the strategy's), and the remaining factors
+    chosen greedily until every pair of levels of any two factors occurs in some case."""
     factors = (RULES, COMPILE, CKPT, PRECISION, INPLACE)
     uncovered = {((i, a), (j, b)) for i, j in itertools.combinations(range(5), 2)
                  for a in factors[i] for b in factors[j]}
@@ -121,7 +131,7 @@ def pairwise_cover():
         return sum(((i, row[i]), (j, row[j])) in uncovered for i, j in itertools.combinations(range(5), 2))
 
     for rule, mode in itertools.product(RULES, COMPILE):
-        ckpts = ("ckpt-first", "patch-first") if mode == "per-block" and rule in CHAIN else CKPT
+        ckpts = CKPT[1:] if mode == "per-block" and rule in CHAIN else CKPT
         for ckpt in ckpts if mode == "per-block" and rule in CHAIN else (None,):
             options = [(rule, mode, c, p, i) for c in ((ckpt,) if ckpt else ckpts) for p in PRECISION for i in INPLACE]
             add(max(options, key=gain))
@@ -150,7 +160,7 @@ def test_combination_gives_the_eager_non_checkpointed_step(case):
     rule, mode, ckpt, precision, inplace = case
     torch._dynamo.reset()
     model, ref = patched_pair(rule, ckpt, inplace)
-    run, counter = compiled(model, mode)
+    run, counter = compiled(model, mode, ckpt=ckpt)
     x = _x()
     want = step(ref, ref, x, precision)
     # fullgraph with checkpointing inside the graph: dynamo traces the checkpoint only when the forward's side

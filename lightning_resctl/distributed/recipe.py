@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..surgery.phase import checkpoint_block
 from ..surgery.tensor_parallel import tensor_parallel_modules
 
 __all__ = ["check_checkpointing", "check_compile", "checkpointed", "wrap_block", "wrap_blocks",
@@ -54,20 +55,20 @@ def checkpointed(blocks: list, rule: Any) -> list[bool]:
 def wrap_block(block: nn.Module, checkpoint: bool, compile_options: Optional[dict]) -> nn.Module:
     """The block as it runs: compiled in place (``block.compile``: its state-dict keys unchanged) and wrapped in
     ``checkpoint_wrapper`` (non-reentrant; its state-dict hooks drop its prefix). Checkpointed and compiled, the
-    checkpoint goes around the compiled block (a chain rule's bookkeeping is a graph break there); with
-    ``fullgraph=True`` it goes inside (``checkpoint_wrapper`` first, then the wrapper compiled, with dynamo's
-    ``skip_fwd_side_effects_in_bwd_under_checkpoint``), the only order where a chain rule compiles in one graph."""
+    checkpoint goes around the compiled block, and keeps a chain rule's state at the block
+    (:func:`~lightning_resctl.surgery.phase.checkpoint_block`: the merges trace into the block's graph, no graph
+    break); with ``fullgraph=True`` it goes inside (``checkpoint_wrapper`` first, then the wrapper compiled, with
+    dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    if compile_options is None:
-        return checkpoint_wrapper(block) if checkpoint else block
-    if checkpoint and compile_options.get("fullgraph"):
+    if compile_options is not None and checkpoint and compile_options.get("fullgraph"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
         wrapped = checkpoint_wrapper(block)
         wrapped.compile(**compile_options)
         return wrapped
-    block.compile(**compile_options)
-    return checkpoint_wrapper(block) if checkpoint else block
+    if compile_options is not None:
+        block.compile(**compile_options)
+    return checkpoint_wrapper(block, checkpoint_fn=checkpoint_block) if checkpoint else block
 
 
 def wrap_blocks(module: nn.Module, blocks: list, activation_checkpointing: Any,

@@ -28,24 +28,25 @@ it, naming ``use_reentrant=False``.
 Under ``torch.compile``: a graph traced outside any checkpointed region (the whole model, ``fullgraph=True``, a
 checkpoint dynamo traces inside the graph) carries the live run's bookkeeping in the graph and remembers nothing
 per tensor. A block compiled on its own and checkpointed from outside runs its merges' bookkeeping eagerly, at a
-graph break before and after each merge's math (which ``fullgraph=True`` refuses, naming what to do instead).
+graph break before and after each merge's math (which ``fullgraph=True`` refuses, naming what to do instead) —
+unless :func:`~.phase.checkpoint_block` checkpoints it, keeping the chains' state at the block
+(:meth:`ChainRun.cursor`): the merges then trace the live run. Where the bookkeeping runs: :mod:`.phase`.
 """
 from __future__ import annotations
 
 import copy
-import sys
 import warnings
-import weakref
 from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from .phase import checkpoint_frame, checkpoint_phase
+
 __all__ = ["ChainRun", "ChainEntry", "ChainStart", "ChainEnd", "SWITCHED_LINES", "enter_chain", "leave_chain",
            "move_entry", "enter_chain_traced", "enter_chain_eagerly", "leave_chain_eagerly", "move_entry_eagerly",
-           "bookkeeping_in_eager_code", "counting", "counting_merge", "checking", "checkpoint_frame",
-           "inside_reentrant_checkpoint", "storage_ptr"]
+           "storage_ptr"]
 
 #: The likely cause and the fix, in every message about observed merges that did not run.
 SWITCHED_LINES = (
@@ -69,50 +70,6 @@ class ChainEntry(NamedTuple):
     lead: Any
     training: bool
     version: int
-
-
-def _checkpoint_phase() -> Optional[str]:
-    """``"recompute"`` while backward recomputes a non-reentrant checkpointed region (its recomputation hooks are
-    on top, or a backward pass runs), ``"region"`` while other saved-tensor hooks decide what is kept (a
-    checkpointed region's forward, offloading; not the observing ones marked ``_mgr_transparent``), else None."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", ""):
-        return "recompute"
-    if torch._C._current_graph_task_id() != -1:
-        return "recompute"
-    if hooks is not None and not getattr(hooks[0], "_mgr_transparent", False):
-        return "region"
-    return None
-
-
-def checkpoint_frame() -> Any:
-    """The checkpointed region (``torch.utils.checkpoint``'s frame object) whose saved-tensor hooks are on top,
-    found through the hook's closure, or None: the region's first chain state is also kept on it, so a
-    recomputation finds it when the region's input comes back as a new tensor (offloading hooks around the
-    checkpoint, e.g. HF's ``offload=True``)."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    pack = getattr(hooks[0], "__wrapped__", hooks[0]) if hooks is not None else None
-    for cell in getattr(pack, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:
-            continue
-        if isinstance(value, weakref.ref):
-            value = value()
-        if type(value).__name__ == "_CheckpointFrame":
-            return value
-    return None
-
-
-def inside_reentrant_checkpoint() -> bool:
-    """True when ``torch.utils.checkpoint``'s reentrant ``CheckpointFunction`` is on the call stack."""
-    f = sys._getframe(2)
-    while f is not None:
-        if f.f_code.co_name == "forward" and f.f_code.co_filename.replace("\\", "/").endswith(
-                "torch/utils/checkpoint.py"):
-            return True
-        f = f.f_back
-    return False
 
 
 class ChainRun:
@@ -148,6 +105,17 @@ class ChainRun:
         self.owner_traced = owner_traced  # the owner's forward is traced with the merges (ChainStart says)
         for site in getattr(self, "members", ()):
             site.calls_in_forward = 0
+
+    def cursor(self) -> tuple:
+        """Where this forward stands (what :meth:`reset` clears, the members' run counts too), for :meth:`restore`."""
+        return (self.state, self.last, self.done, self.last_site, self.lead, self.owner_traced,
+                tuple(site.calls_in_forward for site in self.members))
+
+    def restore(self, cursor: tuple) -> None:
+        """Stand where :meth:`cursor` noted (``phase.checkpoint_block``'s recomputation of a block)."""
+        self.state, self.last, self.done, self.last_site, self.lead, self.owner_traced, calls = cursor
+        for site, n in zip(self.members, calls):
+            site.calls_in_forward = n
 
     def first_expected(self, training: bool) -> int:
         """The position the chain starts at in this mode (``num_merges``: none runs)."""
@@ -253,12 +221,12 @@ def enter_chain(site: nn.Module, run: ChainRun, stream: torch.Tensor, origin: to
                 phase: Optional[str]) -> tuple:
     """The bookkeeping entering one merge of a chain, in eager code: ``(phase, state, at, lead, training)``; ``at``:
     the merge's :class:`~lightning_resctl.rules.ChainPosition`; ``phase``: the checkpoint phase (``"now"``: read it
-    here, see :func:`_checkpoint_phase`). Recomputing a checkpointed region, the state comes from the entry the
+    here, see :func:`checkpoint_phase`). Recomputing a checkpointed region, the state comes from the entry the
     forward left on ``origin`` and the live run is not touched; otherwise the merge's position is checked against
     the live run, and inside a checkpointed region the state entering it is remembered for the recomputation."""
     site._mark_ran()  # here, not in the compiled forward: read there, the tally's int would be guarded per merge
     if phase == "now":
-        phase = _checkpoint_phase()
+        phase = checkpoint_phase()
     if phase == "recompute":
         entry = site._replay_entry(run, origin)
         return phase, entry.state, site.position_module(entry.k, entry.training), entry.lead, entry.training
@@ -307,7 +275,7 @@ def leave_chain(site: nn.Module, run: ChainRun, phase: Optional[str], at: nn.Mod
     finds that state by the tensor ``h`` its stream operand is. ``phase`` as in :func:`enter_chain`; None: traced
     outside checkpointed regions (:func:`enter_chain_traced`)."""
     if phase == "now":
-        phase = _checkpoint_phase()
+        phase = checkpoint_phase()
     if phase == "recompute":
         if not at.output:
             run.entries[h] = ChainEntry(state, at.next_k, lead, training, h._version)
@@ -330,88 +298,6 @@ def move_entry(run: ChainRun, merged: torch.Tensor, out: torch.Tensor) -> None:
     entry = run.entries.get(merged)
     if entry is not None:
         run.entries[out] = entry._replace(version=out._version)
-
-
-def _output_graph() -> Any:
-    """The output graph dynamo is building now (its ``current_tracer`` is a higher-order op's body while dynamo
-    traces one), or None on a torch without it."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        return InstructionTranslator.current_tx().output
-    except (ImportError, AttributeError):  # another torch: count as outside (the side effect is then traced)
-        return None
-
-
-def _in_higher_order_op() -> bool:
-    graph = _output_graph()
-    return graph is not None and graph.current_tracer.parent is not None
-
-
-#: the higher-order op bodies (their subtracers) in which dynamo traced the start of a patched module's call
-_CALLS_STARTED_IN: "weakref.WeakSet" = weakref.WeakSet()
-
-
-@torch.compiler.assume_constant_result
-def _call_started_in_higher_order_op() -> bool:
-    """True while dynamo traces the body of a higher-order op (``torch.utils.checkpoint`` inside a compiled model),
-    where it refuses side effects; the body is noted (a module's call started there). A constant of the trace."""
-    inside = _in_higher_order_op()
-    if inside:
-        _CALLS_STARTED_IN.add(_output_graph().current_tracer)
-    return inside
-
-
-@torch.compiler.assume_constant_result
-def _traced_in_higher_order_op() -> bool:
-    """True while dynamo traces the body of a higher-order op; a constant of the trace (no guard)."""
-    return _in_higher_order_op()
-
-
-@torch.compiler.assume_constant_result
-def _merge_traced_in_its_calls_op() -> bool:
-    """True while dynamo traces a merge in a higher-order op's body in which a patched module's call started (the
-    merge's module: its hooks and its merges inside one checkpoint)."""
-    return _in_higher_order_op() and _output_graph().current_tracer in _CALLS_STARTED_IN
-
-
-def counting() -> bool:
-    """Whether a module's merge tally (:mod:`.tally`) is cleared at the start of this call: always, except in a
-    checkpointed region traced into a compiled model (a higher-order op's body), where a side effect would make
-    dynamo give up the whole frame (run it eagerly); the module's merges and the end of its call are then traced in
-    the same body and leave the tally alone too."""
-    return not torch.compiler.is_compiling() or not _call_started_in_higher_order_op()
-
-
-def counting_merge() -> bool:
-    """Whether a merge marks its module's tally: as :func:`counting`. A merge traced in a higher-order op whose
-    module's call started outside it (transformers' layers checkpoint their ``forward``, not their hooks) marks it:
-    dynamo then runs that checkpoint eagerly (or keeps the mark, with
-    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint``), and the end of the call checks it."""
-    return not torch.compiler.is_compiling() or not _merge_traced_in_its_calls_op()
-
-
-def checking() -> bool:
-    """Whether the end of a module's call checks its tally: as :func:`counting`."""
-    return not torch.compiler.is_compiling() or not _traced_in_higher_order_op()
-
-
-@torch.compiler.assume_constant_result
-def _phase_when_traced() -> Optional[str]:
-    """The checkpoint phase while dynamo traces a merge (baked into the graph as a constant)."""
-    return _checkpoint_phase()
-
-
-def bookkeeping_in_eager_code() -> Optional[bool]:
-    """Where a chain merge's bookkeeping runs. False: eager code, the merge itself runs eagerly. True: a graph
-    dynamo traces inside a checkpointed region (a block compiled on its own under ``torch.utils.checkpoint``):
-    the bookkeeping (saved-tensor hooks, tensor-keyed weak mappings: nothing dynamo traces) runs eagerly at a
-    graph break before and after the merge's math, so that it reads the checkpoint phase when the graph runs and
-    the math's graph is the same in the forward and in its recomputation. None: a graph traced outside any
-    region (whole-model compile, ``fullgraph=True`` without checkpointing around the compiled code): the
-    bookkeeping of the live run is traced into the graph."""
-    if not torch.compiler.is_compiling():
-        return False
-    return None if _phase_when_traced() is None else True
 
 
 _GRAPH_BREAK = (

@@ -23,13 +23,9 @@ from ..rules.base import branches_sum
 from .chain_run import (
     ChainEntry,
     ChainRun,
-    bookkeeping_in_eager_code,
-    checkpoint_frame,
-    counting_merge,
     enter_chain,
     enter_chain_eagerly,
     enter_chain_traced,
-    inside_reentrant_checkpoint,
     leave_chain,
     leave_chain_eagerly,
     move_entry,
@@ -37,6 +33,7 @@ from .chain_run import (
     storage_ptr,
 )
 from .parallel import ParallelRun
+from .phase import bookkeeping_in_eager_code, checkpoint_frame, counting_merge, inside_reentrant_checkpoint
 from .record import decode_record, encode_record, plain
 
 __all__ = ["MergeSite", "SitePlace", "mark_rule_module", "running_module"]

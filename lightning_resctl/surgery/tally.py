@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .chain_run import SWITCHED_LINES, checking, counting
+from .chain_run import SWITCHED_LINES
 from .events import Observation, site_key, source_line
+from .phase import checking, counting
 from .plan import Plan
 
 __all__ = ["SiteTally", "site_tallies", "hook_tallies"]
