@@ -54,11 +54,11 @@ def exact_options(method):
                                                                   else {})}
 
 
-def patched_pair(method, ckpt="none", inplace=False):
+def patched_pair(method, ckpt="none", inplace=False, layers=LAYERS):
     """(model to test, its eager non-checkpointed twin with the same parameters); the rule's parameters moved off
     their init (zero-init queries would hide wrong gradients)."""
     torch.manual_seed(0)
-    model = PreNormNet(LAYERS, C, PreNormInplaceBlock if inplace else PreNormBlock)
+    model = PreNormNet(layers, C, PreNormInplaceBlock if inplace else PreNormBlock)
     model.ckpt = ckpt == "ckpt-first"
     report = patch_residuals(model, method=method, example_input=(_x(0),), **exact_options(method))
     g = torch.Generator().manual_seed(3)
@@ -248,6 +248,31 @@ def test_per_block_compiled_checkpointed_blocks_train_two_steps_and_keep_nothing
         assert_same_step(step(run, model, _x(seed), "fp32"), step(ref, ref, _x(seed), "fp32"), TOL[("fp32", True)])
     runs = {id(s._run): s._run for s in model.modules() if getattr(s, "_run", None) is not None}
     assert runs and all(len(r.entries) == 0 for r in runs.values())
+    torch._dynamo.reset()
+
+
+def test_a_logging_step_of_the_strategys_compiled_checkpointed_blocks_observes_and_trains_as_eager():
+    """ResidualMonitor over the strategy's blocks (each compiled, ``checkpoint_block`` around it): a logging step
+    (observers set) runs the blocks eagerly, forward and recomputation alike — compiled, the observers' graphs let
+    the recomputation run other graphs than the forward (a CheckpointError) — and its metrics, like every step's
+    logits and gradients, are the eager model's."""
+    from lightning_resctl import ResidualMonitor
+
+    torch._dynamo.reset()
+    model, ref = patched_pair("mgr-competitive", layers=4)  # (2 blocks compile too few graphs to go wrong)
+    run, counter = compiled(model, "per-block", ckpt="strategy")
+    monitor, ref_monitor = ResidualMonitor(model, log_every_n_steps=2), ResidualMonitor(ref, log_every_n_steps=2)
+    for seed in range(3):
+        with monitor.step(seed):
+            got = step(run, model, _x(seed), "fp32")
+        with ref_monitor.step(seed):
+            want = step(ref, ref, _x(seed), "fp32")
+        assert_same_step(got, want, TOL[("fp32", True)])
+        metrics, ref_metrics = monitor.metrics(), ref_monitor.metrics()
+        assert metrics.keys() == ref_metrics.keys() and (seed == 1) == bool(ref_metrics)
+        for k, v in ref_metrics.items():
+            assert metrics[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+    assert counter.frame_count >= 1
     torch._dynamo.reset()
 
 

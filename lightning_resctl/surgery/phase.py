@@ -11,6 +11,7 @@ in backward, or neither), and whether dynamo is tracing the merge, inside a high
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from typing import Any, Optional
@@ -160,18 +161,9 @@ def bookkeeping_in_eager_code() -> Optional[bool]:
     return None if _phase_when_traced() is None else True
 
 
-def _chain_runs(block: nn.Module) -> list:
-    """The chain runs (:class:`~.chain_run.ChainRun`) of the chain merge sites in ``block``, each once; None when a
-    site has an observer (a logging step's diagnostics: the merges then keep their state per merge, see
-    :func:`checkpoint_block`)."""
-    runs = {}
-    for module in block.modules():
-        run = module.__dict__.get("_run")
-        if run is not None:
-            if getattr(module, "observer", None) is not None:
-                return None
-            runs[id(run)] = run
-    return list(runs.values())
+def _chain_sites(block: nn.Module) -> list:
+    """The chain merge sites in ``block`` (those with a :class:`~.chain_run.ChainRun`)."""
+    return [m for m in block.modules() if m.__dict__.get("_run") is not None]
 
 
 def checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -184,12 +176,16 @@ def checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     merges read and write the live run as outside any checkpoint — traced into the block's graph, the same graph in
     the forward and in its recomputation, without the graph break per merge that a checkpoint this function does
     not run needs (:func:`bookkeeping_in_eager_code`). On a step whose diagnostics observe the merges (an observer
-    set), the block runs under the plain checkpoint (the merges keep their state per merge), as it does where dynamo
-    traces this function (a whole-model compile: the checkpoint is a higher-order op of its graph)."""
-    runs = None if torch.compiler.is_compiling() else _chain_runs(block)
-    if not runs:
+    set), the block runs eagerly, forward and recomputation (``torch.compiler.set_stance("force_eager")``): the
+    observers' Python state never picks another compiled graph for the recomputation than the forward ran. Where
+    dynamo traces this function (a whole-model compile), it is the plain checkpoint (a higher-order op of the
+    graph)."""
+    sites = [] if torch.compiler.is_compiling() else _chain_sites(block)
+    if not sites:
         return checkpoint(block, *args, use_reentrant=False, **kwargs)
+    runs = list({id(site._run): site._run for site in sites}.values())
     entered = [run.cursor() for run in runs]
+    observed = any(site.observer is not None for site in sites)
     forward_done = []
 
     def region(*a: Any, **k: Any) -> Any:
@@ -199,7 +195,8 @@ def checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 run.restore(cursor)
         _BlockCheckpoint.depth += 1
         try:
-            return block(*a, **k)
+            with torch.compiler.set_stance("force_eager") if observed else contextlib.nullcontext():
+                return block(*a, **k)
         finally:
             _BlockCheckpoint.depth -= 1
             forward_done.append(True)
