@@ -106,16 +106,18 @@ class ChainRun:
         for site in getattr(self, "members", ()):
             site.calls_in_forward = 0
 
-    def cursor(self) -> tuple:
-        """Where this forward stands (what :meth:`reset` clears, the members' run counts too), for :meth:`restore`."""
+    def cursor(self, sites: tuple) -> tuple:
+        """Where this forward stands (what :meth:`reset` clears, and the run counts of ``sites``, some of
+        :attr:`members`), for :meth:`restore`."""
         return (self.state, self.last, self.done, self.last_site, self.lead, self.owner_traced,
-                tuple(site.calls_in_forward for site in self.members))
+                tuple(site.calls_in_forward for site in sites))
 
-    def restore(self, cursor: tuple) -> None:
-        """Stand where :meth:`cursor` noted (``phase.checkpoint_block``'s recomputation of a block)."""
+    def restore(self, cursor: tuple, sites: tuple) -> None:
+        """Stand where :meth:`cursor` noted (``phase.checkpoint_block``'s recomputation of a block: ``sites``, its
+        merges of this chain)."""
         self.state, self.last, self.done, self.last_site, self.lead, self.owner_traced, calls = cursor
-        for site, n in zip(self.members, calls):
-            site.calls_in_forward = n
+        for site, n in zip(sites, calls):
+            site.__dict__["calls_in_forward"] = n  # (where the int lives: Module.__setattr__ costs µs per site)
 
     def first_expected(self, training: bool) -> int:
         """The position the chain starts at in this mode (``num_merges``: none runs)."""

@@ -183,16 +183,19 @@ def checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     sites = [] if torch.compiler.is_compiling() else _chain_sites(block)
     if not sites:
         return checkpoint(block, *args, use_reentrant=False, **kwargs)
-    runs = list({id(site._run): site._run for site in sites}.values())
-    entered = [run.cursor() for run in runs]
+    runs = {}
+    for site in sites:
+        runs.setdefault(id(site._run), (site._run, []))[1].append(site)
+    runs = [(run, tuple(own)) for run, own in runs.values()]
+    entered = [run.cursor(own) for run, own in runs]
     observed = any(site.observer is not None for site in sites)
     forward_done = []
 
     def region(*a: Any, **k: Any) -> Any:
-        live = [run.cursor() for run in runs] if forward_done else None
+        live = [run.cursor(own) for run, own in runs] if forward_done else None
         if live is not None:
-            for run, cursor in zip(runs, entered):
-                run.restore(cursor)
+            for (run, own), cursor in zip(runs, entered):
+                run.restore(cursor, own)
         _BlockCheckpoint.depth += 1
         try:
             with torch.compiler.set_stance("force_eager") if observed else contextlib.nullcontext():
@@ -201,7 +204,7 @@ def checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
             _BlockCheckpoint.depth -= 1
             forward_done.append(True)
             if live is not None:
-                for run, cursor in zip(runs, live):
-                    run.restore(cursor)
+                for (run, own), cursor in zip(runs, live):
+                    run.restore(cursor, own)
 
     return checkpoint(region, *args, use_reentrant=False, **kwargs)
