@@ -280,7 +280,8 @@ class ResidualParallelStrategy(ModelParallelStrategy):
             said += f", {sum(flags)} checkpointed"
         if self.compile_options is not None:
             limit = torch._dynamo.config.recompile_limit
-            torch._dynamo.config.recompile_limit = max(limit, 4 * len(blocks))  # each block compiles graphs of its own
+            # (Full attnres compiles a graph per merge position; the other rules a constant number at any depth)
+            torch._dynamo.config.recompile_limit = max(limit, 4 * len(blocks))
             said += f", compiled one by one ({self.compile_options or 'defaults'})"
         return said
 
