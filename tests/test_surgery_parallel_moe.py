@@ -262,3 +262,20 @@ def test_moe_written_by_indexed_inplace_writes_is_a_merge(write):
     patch_residuals(m, method="mgr", example_input=SEQ, backend="torch-eager")
     m(SEQ).pow(2).mean().backward()
     assert all(p.grad is not None for p in m[1].moe.experts.parameters())
+
+
+@pytest.mark.parametrize("method", ["mgr-competitive"])
+def test_parallel_blocks_checkpointed_as_the_strategy_does_train_as_written(method):
+    """The strategy's checkpoint (``wrap_blocks``: ``checkpoint_block``) around parallel blocks, whose first
+    addition is a ``ParallelPart`` (a run of its own, not a chain's): the step equals the model not checkpointed."""
+    from lightning_resctl.distributed.recipe import wrap_blocks
+
+    model = _seq(Par)
+    patch_residuals(model, method=method, example_input=SEQ, backend="torch-eager", invert=False)
+    ref = copy.deepcopy(model)
+    wrap_blocks(model, [("1", model[1]), ("2", model[2])], "blocks", None)
+    for m in (model, ref):
+        m(SEQ).pow(2).mean().backward()
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=0, msg=name)

@@ -162,8 +162,9 @@ def bookkeeping_in_eager_code() -> Optional[bool]:
 
 
 def _chain_sites(block: nn.Module) -> list:
-    """The chain merge sites in ``block`` (those with a :class:`~.chain_run.ChainRun`)."""
-    return [m for m in block.modules() if m.__dict__.get("_run") is not None]
+    """The merge sites of chain rules in ``block``: the modules holding a :class:`~.chain_run.ChainRun` (a parallel
+    block's first addition holds a ``ParallelRun``, a per-merge rule's site none)."""
+    return [m for m in block.modules() if hasattr(m.__dict__.get("_run"), "cursor")]
 
 
 def checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
