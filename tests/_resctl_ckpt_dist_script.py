@@ -1,12 +1,13 @@
 """Standalone Lightning run for tests/test_checkpointing.py: a chain rule under FSDP2 with activation checkpointing.
 
-    python tests/_resctl_ckpt_dist_script.py METHOD OUT_DIR
+    python tests/_resctl_ckpt_dist_script.py METHOD[,METHOD...] OUT_DIR
 
 ModelParallelStrategy(data_parallel_size=2) on CPU/gloo, 2 processes: a NanoGPT built in configure_model, patched
 with METHOD, each block wrapped in ``checkpoint_wrapper`` (non-reentrant torch.utils.checkpoint), then sharded with
 ``fully_shard``. One training step on a fixed batch (each rank half of it); rank 0 writes the full gradients of
 that step (``grads.pt``, names without the wrapper's prefix), the parameters at the step's start (``start.pt``)
-and the batch (``batch.pt``): the test compares them with the non-checkpointed patched model in one process.
+and the batch (``batch.pt``), under ``OUT_DIR/METHOD``, for each METHOD in turn (one launch of the processes): the test
+compares them with the non-checkpointed patched model in one process.
 """
 from __future__ import annotations
 
@@ -107,4 +108,6 @@ def main(method: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    for name in sys.argv[1].split(","):
+        (Path(sys.argv[2]) / name).mkdir(parents=True, exist_ok=True)
+        main(name, Path(sys.argv[2]) / name)

@@ -1,11 +1,12 @@
 """Standalone 2-process CPU DDP run for tests/test_surgery_lightning.py (strategy="ddp" relaunches sys.argv).
 
-    python tests/ddp_surgery_script.py OUT_DIR [METHOD]
+    python tests/ddp_surgery_script.py OUT_DIR [METHOD[,METHOD...]]
 
-A tiny NanoGPT in a LightningModule is patched with METHOD (default "mgr") from a Callback's ``setup`` (before
-``configure_optimizers`` and before DDP wraps it) and trains 3 SGD steps on 2 gloo processes. Each rank
-writes ``rank{r}.pt``: the parameters the patch added, at init and after training, the names of the optimizer's
-parameters, the number of patched sites and whether the model that DDP wrapped is the patched one.
+For each METHOD in turn (default "mgr"; one launch of the two processes serves them all), a tiny NanoGPT in a
+LightningModule is patched with it from a Callback's ``setup`` (before ``configure_optimizers`` and before DDP wraps
+it) and trains 3 SGD steps on 2 gloo processes. Each rank writes ``{method}_rank{r}.pt``: the parameters the patch
+added, at init and after training, the names of the optimizer's parameters, the number of patched sites and whether
+the model that DDP wrapped is the patched one.
 """
 from __future__ import annotations
 
@@ -78,8 +79,9 @@ def main(out_dir: str, method: str = "mgr") -> None:
         "final": {n: model.get_parameter(n).detach().clone() for n in cb.new},
         "all_final": {n: p.detach().clone() for n, p in model.named_parameters()},
     }
-    torch.save(result, Path(out_dir) / f"rank{trainer.global_rank}.pt")
+    torch.save(result, Path(out_dir) / f"{method}_rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    for name in (sys.argv[2] if len(sys.argv) > 2 else "mgr").split(","):
+        main(sys.argv[1], name)

@@ -304,23 +304,36 @@ def test_checkpoint_wrapper_in_either_order(order):
     assert_same_grads(got, grads_of(ref, _loss(_x(1))))
 
 
-@pytest.mark.parametrize("method", ["mgr", "attnres-block"])
-def test_fsdp2_model_parallel_strategy_with_checkpointed_blocks(method, tmp_path):
-    """Lightning's ModelParallelStrategy (2 CPU processes, gloo), blocks in checkpoint_wrapper, fully_shard:
-    the full gradients of one step equal the single-process, non-checkpointed patched model's on the union of
-    the ranks' batches."""
+FSDP2_METHODS = ("mgr", "attnres-block")
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory):
+    """One launch of the two ModelParallelStrategy processes, training each of ``FSDP2_METHODS`` in turn."""
     import os
     import subprocess
     import sys
 
     import _resctl_ckpt_dist_script as script
-    from models import NanoGPT
 
+    out = tmp_path_factory.mktemp("fsdp2")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, script.__file__, method, str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, script.__file__, ",".join(FSDP2_METHODS), str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("method", FSDP2_METHODS)
+def test_fsdp2_model_parallel_strategy_with_checkpointed_blocks(method, fsdp2_runs):
+    """Lightning's ModelParallelStrategy (2 CPU processes, gloo), blocks in checkpoint_wrapper, fully_shard:
+    the full gradients of one step equal the single-process, non-checkpointed patched model's on the union of
+    the ranks' batches."""
+    import _resctl_ckpt_dist_script as script
+    from models import NanoGPT
+
+    tmp_path = fsdp2_runs / method
     dist = torch.load(tmp_path / "grads.pt")
     ref = NanoGPT(**script.CFG)
     patch_residuals(ref, method=method, example_input=torch.zeros(2, script.CFG["block_size"], dtype=torch.long),

@@ -609,10 +609,11 @@ def test_compiled_region_matches_eager_and_reference(regime):
         torch.testing.assert_close(grads["torch-compiled"][i], grads["reference"][i], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["torch-eager", "torch-compiled"])
+@pytest.mark.parametrize("backend", ["torch-eager"])
 def test_double_backward_is_refused_not_silently_wrong(backend):
     """The closed-form backward is not itself differentiable (its per-row scalars are saved without a graph):
-    a second derivative must raise, not return a wrong number."""
+    a second derivative must raise, not return a wrong number. (``torch-compiled`` runs the same autograd.Function,
+    its backend choosing only the math after the refusal; compiling fp64 regions for it cost CI 27 s.)"""
     r = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
     u = (3 * torch.randn(3, 8, dtype=torch.float64)).requires_grad_()
     out = rescontroller(r, u, backend=backend)

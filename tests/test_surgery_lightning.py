@@ -31,14 +31,24 @@ def test_patch_in_callback_setup_puts_mgr_parameters_in_the_optimizer():
     assert any("gate_bias" in n for n in changed) and any("pool_query" in n for n in changed)
 
 
-@pytest.mark.parametrize("method", ["mgr", "attnres-block", "hc", "mhc-lite"])
-def test_ddp_two_processes(tmp_path, method):
+DDP_METHODS = ("mgr", "attnres-block", "hc", "mhc-lite")
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """One launch of the two DDP processes, training each of ``DDP_METHODS`` in turn."""
+    out = tmp_path_factory.mktemp("ddp")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), method], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), ",".join(DDP_METHODS)], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    return out
+
+
+@pytest.mark.parametrize("method", DDP_METHODS)
+def test_ddp_two_processes(ddp_runs, method):
+    r0 = torch.load(ddp_runs / f"{method}_rank0.pt", weights_only=False)
+    r1 = torch.load(ddp_runs / f"{method}_rank1.pt", weights_only=False)
     for r in (r0, r1):
         assert r["world_size"] == 2 and r["sites"] == 4 and r["merge_sites"] == 4
         assert r["wrapped_is_patched_model"]

@@ -63,16 +63,14 @@ def _branch_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def compile_branches(module: nn.Module, compile_options: dict) -> None:
-    """Compile in place each child of ``module`` that holds parameters and no merge site (recursing into those
-    that hold one): a block's branches compiled, one graph per kind of branch for every such block, its own
-    forward and merges eager."""
+    """Compile in place each child of ``module`` that is a merge site or holds parameters and no merge site
+    (recursing into those that hold one): a block's branches and its merges compiled apart, one graph per kind of
+    branch and of merge for every such block, its own forward eager."""
     compiled = torch.compile(_branch_call, **compile_options)
     for child in module.children():
-        if isinstance(child, MergeSite):
-            continue
-        if any(isinstance(m, MergeSite) for m in child.modules()):
+        if not isinstance(child, MergeSite) and any(isinstance(m, MergeSite) for m in child.modules()):
             compile_branches(child, compile_options)
-        elif any(True for _ in child.parameters()):
+        elif isinstance(child, MergeSite) or any(True for _ in child.parameters()):
             child._compiled_call_impl = functools.partial(compiled, child)
 
 
