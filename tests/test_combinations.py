@@ -159,9 +159,7 @@ def _case_id(case):
 def test_combination_gives_the_eager_non_checkpointed_step(case):
     rule, mode, ckpt, precision, inplace = case
     torch._dynamo.reset()
-    # the strategy's blocks: five, so that a chain's first and last blocks are kinds of their own beside two middle
-    # blocks (MGR's accumulating merges span two blocks): their branches compiled, their merges eager (rare_blocks)
-    model, ref = patched_pair(rule, ckpt, inplace, layers=5 if ckpt == "strategy" else LAYERS)
+    model, ref = patched_pair(rule, ckpt, inplace)
     run, counter = compiled(model, mode, ckpt=ckpt)
     x = _x()
     want = step(ref, ref, x, precision)

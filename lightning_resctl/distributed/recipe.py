@@ -3,7 +3,6 @@ order that works for every rule, ``fully_shard`` per block and of the root, and 
 already."""
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -11,12 +10,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..surgery import MergeSite
-from ..surgery.block_kinds import rare_blocks
 from ..surgery.phase import checkpoint_block
 from ..surgery.tensor_parallel import tensor_parallel_modules
 
-__all__ = ["check_checkpointing", "check_compile", "checkpointed", "compile_branches", "wrap_block", "wrap_blocks",
+__all__ = ["check_checkpointing", "check_compile", "checkpointed", "wrap_block", "wrap_blocks",
            "without_checkpoint_wrappers",
            "parallelized_already", "policy_for_precision"]
 
@@ -55,40 +52,15 @@ def checkpointed(blocks: list, rule: Any) -> list[bool]:
     return [bool(rule(name, block)) for name, block in blocks]
 
 
-def _branch_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A branch's call as :func:`compile_branches` compiles it: dynamo traces this frame and inlines the module's
-    call (``Module.compile`` of a ``torch.nn`` module, e.g. ``nn.Sequential``, compiles nothing: dynamo does not
-    start a frame in ``torch.nn``)."""
-    return module._call_impl(*args, **kwargs)
-
-
-def compile_branches(module: nn.Module, compile_options: dict) -> None:
-    """Compile in place each child of ``module`` that is a merge site or holds parameters and no merge site
-    (recursing into those that hold one): a block's branches and its merges compiled apart, one graph per kind of
-    branch and of merge for every such block, its own forward eager."""
-    compiled = torch.compile(_branch_call, **compile_options)
-    for child in module.children():
-        if not isinstance(child, MergeSite) and any(isinstance(m, MergeSite) for m in child.modules()):
-            compile_branches(child, compile_options)
-        elif isinstance(child, MergeSite) or any(True for _ in child.parameters()):
-            child._compiled_call_impl = functools.partial(compiled, child)
-
-
-def wrap_block(block: nn.Module, checkpoint: bool, compile_options: Optional[dict], rare: bool = False) -> nn.Module:
+def wrap_block(block: nn.Module, checkpoint: bool, compile_options: Optional[dict]) -> nn.Module:
     """The block as it runs: compiled in place (``block.compile``: its state-dict keys unchanged) and wrapped in
     ``checkpoint_wrapper`` (non-reentrant; its state-dict hooks drop its prefix). Checkpointed and compiled, the
     checkpoint goes around the compiled block, and keeps a chain rule's state at the block
     (:func:`~lightning_resctl.surgery.phase.checkpoint_block`: the merges trace into the block's graph, no graph
     break); with ``fullgraph=True`` it goes inside (``checkpoint_wrapper`` first, then the wrapper compiled, with
-    dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``). ``rare``: a block of a kind few blocks of its
-    chain have (:func:`~lightning_resctl.surgery.block_kinds.rare_blocks`): its branches are compiled
-    (:func:`compile_branches`, graphs every such block shares) instead of the whole block, and its merges run
-    eagerly."""
+    dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    if compile_options is not None and rare:
-        compile_branches(block, compile_options)
-        compile_options = None
     if compile_options is not None and checkpoint and compile_options.get("fullgraph"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
         wrapped = checkpoint_wrapper(block)
@@ -103,14 +75,11 @@ def wrap_blocks(module: nn.Module, blocks: list, activation_checkpointing: Any,
                 compile_options: Optional[dict]) -> tuple[list[nn.Module], list[bool]]:
     """Each ``(path, block)`` of ``module`` compiled and checkpointed as :func:`wrap_block` does, put in its place;
     the blocks as they now run and which are checkpointed (see :func:`checkpointed`). What the strategy does per
-    block before ``fully_shard`` (``benchmarks/bench_recipe.py`` times it). Compiled, the blocks whose kind few
-    blocks of their chain have (:func:`~lightning_resctl.surgery.block_kinds.rare_blocks`: a chain's first and last
-    blocks) have their branches compiled instead: one whole-block graph at any depth."""
+    block before ``fully_shard`` (``benchmarks/bench_recipe.py`` times it)."""
     flags = checkpointed(blocks, activation_checkpointing)
-    rare = rare_blocks([block for _, block in blocks]) if compile_options is not None else [False] * len(blocks)
     out = []
-    for (name, block), ckpt, few in zip(blocks, flags, rare):
-        wrapped = wrap_block(block, ckpt, compile_options, few)
+    for (name, block), ckpt in zip(blocks, flags):
+        wrapped = wrap_block(block, ckpt, compile_options)
         if wrapped is not block:
             parent, _, attr = name.rpartition(".")
             module.get_submodule(parent).register_module(attr, wrapped)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Hashable, Optional
+from typing import Any, ClassVar, Optional
 
 from torch import Tensor, nn
 
@@ -271,12 +271,6 @@ class ChainPosition(nn.Module):
 
     def skip(self, state: Any) -> tuple[Any, Tensor]:
         return self.rule.skip(self.chain, self.k, state, self.next_k)
-
-    def graph_key(self) -> Hashable:
-        """What a traced merge at this position specialises its graph on: merges whose keys are equal run one
-        compiled graph (blocks whose merges have the same keys, one block graph). The default, the position: a
-        graph of its own. A subclass with :attr:`shares_graphs` returns the values its step reads."""
-        return ("k", self.k)
 
     def extra_repr(self) -> str:
         return f"k={self.k}, next_k={self.next_k}"

@@ -166,9 +166,6 @@ class FramePosition(ChainPosition):
         self.__dict__["reader"] = None if self.output else chain.merges[next_k]
         self.reduce = chain.reduce
 
-    def graph_key(self):
-        return ("frame", self.first, self.output)
-
     def step(self, state, u):
         res, post = state.res, state.post
         if res is None:

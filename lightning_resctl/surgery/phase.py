@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["bookkeeping_in_eager_code", "chain_sites", "checkpoint_block", "checkpoint_frame", "checkpoint_phase",
-           "checking", "counting", "counting_merge", "inside_reentrant_checkpoint"]
+__all__ = ["bookkeeping_in_eager_code", "checkpoint_block", "checkpoint_frame", "checkpoint_phase", "checking",
+           "counting", "counting_merge", "inside_reentrant_checkpoint"]
 
 
 class _BlockCheckpoint:
@@ -161,7 +161,7 @@ def bookkeeping_in_eager_code() -> Optional[bool]:
     return None if _phase_when_traced() is None else True
 
 
-def chain_sites(block: nn.Module) -> list:
+def _chain_sites(block: nn.Module) -> list:
     """The merge sites of chain rules in ``block``: the modules holding a :class:`~.chain_run.ChainRun` (a parallel
     block's first addition holds a ``ParallelRun``, a per-merge rule's site none)."""
     return [m for m in block.modules() if hasattr(m.__dict__.get("_run"), "cursor")]
@@ -181,7 +181,7 @@ def checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     observers' Python state never picks another compiled graph for the recomputation than the forward ran. Where
     dynamo traces this function (a whole-model compile), it is the plain checkpoint (a higher-order op of the
     graph)."""
-    sites = [] if torch.compiler.is_compiling() else chain_sites(block)
+    sites = [] if torch.compiler.is_compiling() else _chain_sites(block)
     if not sites:
         return checkpoint(block, *args, use_reentrant=False, **kwargs)
     runs = {}

@@ -123,10 +123,6 @@ class MGRPosition(ChainPosition):
         self.count, self.last = chain.stream_count(k), k == chain.num_merges - 1
         self.first_merge = k == 0
 
-    def graph_key(self):
-        return ("mgr", self.count, self.last, self.first_merge, self.first, self.merge.accumulating,
-                type(self.reader).__name__)
-
     def step(self, streams: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
         """Merge ``u``: append it (an accumulating merge) or gate + lerp it into the streams, then the next pool.
         Returns ``(streams', h_next)``; fused on the Triton path."""
