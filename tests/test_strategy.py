@@ -384,3 +384,49 @@ def test_blocks_are_the_repeated_children_holding_the_merges():
                                                              "blocks.1.f2.0", "blocks.1.f2.2"]
     with pytest.raises(ValueError, match="found no repeated blocks .* block_cls="):
         find_blocks(nn.Sequential(nn.Linear(2, 2)))
+
+
+class _EncoderStack(nn.Module):
+    """Blocks whose class is torch.nn's (``nn.TransformerEncoderLayer``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+                                     for _ in range(3)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("method", [None, "hc"], ids=["plain", "hc"])
+def test_blocks_of_a_torch_nn_class_are_compiled(method):
+    """``Module.compile()`` of a block whose forward is torch.nn's (``nn.TransformerEncoderLayer``) compiles nothing
+    (dynamo starts no frame in torch.nn; ``torch.compile(module)`` wraps one around it): the strategy's blocks are
+    compiled all the same — a graph holds the block's feed-forward — and train as the eager model does."""
+    import copy
+
+    import torch._dynamo.testing
+
+    from lightning_resctl.distributed.recipe import wrap_blocks
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _EncoderStack().double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    if method is not None:
+        patch_residuals(model, method=method, example_input=(x,))
+    ref = copy.deepcopy(model)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    wrap_blocks(model, find_blocks(model), None, {"backend": counter})
+    got, want = model(x), ref(x)
+    got.square().mean().backward()
+    want.square().mean().backward()
+    ops = [{getattr(n.target, "__name__", str(n.target)) for n in g.graph.nodes} for g in counter.graphs]
+    assert any({"relu", "multi_head_attention_forward"} <= names for names in ops), ops  # the block, not a merge
+    assert torch.equal(got, want)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
+    torch._dynamo.reset()

@@ -3,6 +3,7 @@ order that works for every rule, ``fully_shard`` per block and of the root, and 
 already."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -13,7 +14,7 @@ from torch import nn
 from ..surgery.phase import checkpoint_block
 from ..surgery.tensor_parallel import tensor_parallel_modules
 
-__all__ = ["check_checkpointing", "check_compile", "checkpointed", "wrap_block", "wrap_blocks",
+__all__ = ["check_checkpointing", "check_compile", "checkpointed", "compile_in_place", "wrap_block", "wrap_blocks",
            "without_checkpoint_wrappers",
            "parallelized_already", "policy_for_precision"]
 
@@ -52,6 +53,23 @@ def checkpointed(blocks: list, rule: Any) -> list[bool]:
     return [bool(rule(name, block)) for name, block in blocks]
 
 
+def _call_in_a_frame_of_ours(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module``'s call, in a frame dynamo starts in (see :func:`compile_in_place`)."""
+    return module._call_impl(*args, **kwargs)
+
+
+def compile_in_place(module: nn.Module, compile_options: dict) -> None:
+    """``module.compile(**compile_options)`` (the state-dict keys unchanged), also for a module whose ``forward`` is
+    torch.nn's (``nn.TransformerEncoderLayer``, ``nn.Sequential``): ``Module.compile`` starts dynamo at that
+    ``forward``, a frame dynamo skips, so it compiles nothing; its call is compiled through a frame of ours instead
+    (what ``torch.compile(module)`` does with a frame of its own)."""
+    if getattr(type(module).forward, "__module__", "").startswith("torch.nn."):
+        module._compiled_call_impl = functools.partial(torch.compile(_call_in_a_frame_of_ours, **compile_options),
+                                                       module)
+    else:
+        module.compile(**compile_options)
+
+
 def wrap_block(block: nn.Module, checkpoint: bool, compile_options: Optional[dict]) -> nn.Module:
     """The block as it runs: compiled in place (``block.compile``: its state-dict keys unchanged) and wrapped in
     ``checkpoint_wrapper`` (non-reentrant; its state-dict hooks drop its prefix). Checkpointed and compiled, the
@@ -67,7 +85,7 @@ def wrap_block(block: nn.Module, checkpoint: bool, compile_options: Optional[dic
         wrapped.compile(**compile_options)
         return wrapped
     if compile_options is not None:
-        block.compile(**compile_options)
+        compile_in_place(block, compile_options)
     return checkpoint_wrapper(block, checkpoint_fn=checkpoint_block) if checkpoint else block
 
 
