@@ -71,7 +71,7 @@ def compile_in_place(module: nn.Module, compile_options: dict) -> None:
 
 
 def wrap_block(block: nn.Module, checkpoint: bool, compile_options: Optional[dict]) -> nn.Module:
-    """The block as it runs: compiled in place (``block.compile``: its state-dict keys unchanged) and wrapped in
+    """The block as it runs: compiled in place (:func:`compile_in_place`: its state-dict keys unchanged) and wrapped in
     ``checkpoint_wrapper`` (non-reentrant; its state-dict hooks drop its prefix). Checkpointed and compiled, the
     checkpoint goes around the compiled block, and keeps a chain rule's state at the block
     (:func:`~lightning_resctl.surgery.phase.checkpoint_block`: the merges trace into the block's graph, no graph
@@ -82,7 +82,7 @@ def wrap_block(block: nn.Module, checkpoint: bool, compile_options: Optional[dic
     if compile_options is not None and checkpoint and compile_options.get("fullgraph"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
         wrapped = checkpoint_wrapper(block)
-        wrapped.compile(**compile_options)
+        compile_in_place(wrapped, compile_options)
         return wrapped
     if compile_options is not None:
         compile_in_place(block, compile_options)
