@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/gpu_check.sh             # run every step, write one markdown report (its path is printed)
 #   bash benchmarks/gpu_check.sh --dry-run   # list the steps, run nothing
+#   bash benchmarks/gpu_check.sh kernel-tests bench-recipe   # only the named steps (in the order below): a
+#                                            # device call of 10 minutes runs the check in two parts
 #
 # Steps, in order (the script exits non-zero when any step fails):
 #   1 kernel-tests    both rules' Triton kernels on the device (TRITON_INTERPRET=0), fp32/bf16, forward and
@@ -42,7 +44,23 @@ declare -A CMD=(
 )
 declare -A LIMIT=([kernel-tests]=150 [kernels-aot]=60 [bench-rescontroller]=60 [bench-mgr]=60 [bench-peers]=120 [bench-compiled]=150 [bench-recipe]=150)
 
-if [[ "${1:-}" == "--dry-run" ]]; then
+DRY_RUN=0
+if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
+if [[ $# -gt 0 ]]; then
+  for name in "$@"; do
+    if [[ -z "${CMD[$name]+set}" ]]; then
+      echo "gpu_check: unknown step '$name'; the steps are: ${STEPS[*]}" >&2
+      exit 2
+    fi
+  done
+  SELECTED=()
+  for s in "${STEPS[@]}"; do
+    for name in "$@"; do [[ "$name" == "$s" ]] && SELECTED+=("$s") && break; done
+  done
+  STEPS=("${SELECTED[@]}")
+fi
+
+if [[ $DRY_RUN -eq 1 ]]; then
   echo "gpu_check steps (dry run, nothing executed):"
   i=1
   for s in "${STEPS[@]}"; do

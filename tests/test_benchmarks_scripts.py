@@ -59,6 +59,15 @@ def test_the_device_tests_it_selects_exist_and_run_in_the_normal_suite():
     assert any("rescontroller" in n for n in names) and any("mgr" in n for n in names)
 
 
+def test_named_steps_run_alone_in_the_script_order():
+    # a device call runs at most 10 minutes and the whole check is budgeted 12.5: it runs in two calls
+    res = run("--dry-run", "bench-recipe", "kernel-tests")
+    assert res.returncode == 0, res.stderr
+    assert re.findall(r"^\d+\. (\S+) \(", res.stdout, flags=re.M) == ["kernel-tests", "bench-recipe"]
+    bad = run("--dry-run", "bench-recipes")
+    assert bad.returncode == 2 and "bench-recipes" in bad.stderr and "bench-recipe" in bad.stderr
+
+
 def test_without_cuda_it_says_so_and_exits_zero(tmp_path):
     # hide every GPU from torch: the script must not start any step
     res = run(env={"CUDA_VISIBLE_DEVICES": "", "REPORT": str(tmp_path / "r.md")})
