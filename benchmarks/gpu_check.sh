@@ -42,7 +42,7 @@ declare -A CMD=(
   [bench-compiled]="env TRITON_INTERPRET=0 python benchmarks/bench_peers.py $GPT2_SMALL --reps 10 --warmup 2 --only 'rescontroller,mgr n=4 competitive' --compile default,reduce-overhead"
   [bench-recipe]="env TRITON_INTERPRET=0 python benchmarks/bench_recipe.py --device cuda --dtype bf16 --layers 12 24 --C 768 --heads 12 --T 1024 --batch 4 --vocab 50304 --reps 5 --warmup 1 --rules mgr-competitive,hc"
 )
-declare -A LIMIT=([kernel-tests]=150 [kernels-aot]=60 [bench-rescontroller]=60 [bench-mgr]=60 [bench-peers]=120 [bench-compiled]=150 [bench-recipe]=150)
+declare -A LIMIT=([kernel-tests]=60 [kernels-aot]=45 [bench-rescontroller]=120 [bench-mgr]=90 [bench-peers]=120 [bench-compiled]=150 [bench-recipe]=165)
 
 DRY_RUN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi

@@ -104,17 +104,18 @@ def compile_modes(text: str) -> list[str]:
 
 
 def compiled_rows(rows: list[dict], mode: str) -> list[dict]:
-    """One row per row with a model: that model (the same weights and optimizer) under a whole-model
+    """One row per eager row with a model: that model (the same weights and optimizer) under a whole-model
     ``torch.compile(model, mode=mode)``, with its label and ``"mode": mode`` (eager rows have no mode). Timed
     interleaved with the eager rows; its first step holds the compile. Dynamo's recompile limits are raised to
     the number of models: every variant recompiles the same forward code (a limit reached would run the model
     eagerly, silently)."""
-    models = sum(r["model"] is not None for r in rows)
+    eager = [r for r in rows if r["model"] is not None and r.get("mode") is None]
+    models = len(rows) + len(eager)  # every model compiled so far and now
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * models)
     dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 64 * models)
     return [{"label": r["label"], "model": torch.compile(r["model"], mode=mode), "opt": r["opt"], "note": None,
-             "mode": mode} for r in rows if r["model"] is not None]
+             "mode": mode} for r in eager]
 
 
 def time_interleaved(rows: list[dict], idx: torch.Tensor, *, reps: int, warmup: int,

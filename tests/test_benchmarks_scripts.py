@@ -83,3 +83,21 @@ def test_benchmarks_import_nothing_from_tests():
         text = path.read_text()
         assert not re.search(r"^\s*(from|import)\s+tests\b", text, flags=re.M), path
         assert '/ "tests"' not in text, path
+
+
+def test_each_compile_mode_compiles_the_eager_models():
+    # gpu_check's bench-compiled asks for two modes; the second once compiled the first's compiled models again
+    # (torch.compile of a compiled module is a function: the step benchmark then failed on .parameters())
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from step_bench import compiled_rows
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    import torch
+
+    rows = [{"label": "plain", "model": torch.nn.Linear(2, 2), "opt": None, "note": None}]
+    for mode in ("default", "reduce-overhead"):
+        rows += compiled_rows(rows, mode)
+    assert [(r["label"], r.get("mode")) for r in rows] == [("plain", None), ("plain", "default"),
+                                                           ("plain", "reduce-overhead")]
+    assert all(r["model"]._orig_mod is rows[0]["model"] for r in rows[1:])

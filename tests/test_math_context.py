@@ -54,3 +54,28 @@ def test_frame_write_with_identity_coefficients_is_bitwise_the_residual():
     post = torch.ones(2, 7, 4)
     out = frame_write(s, res, post, u)
     assert torch.equal(out, s + u.unsqueeze(-2))
+
+
+def test_compiled_merges_read_the_autocast_state_without_a_graph_break(monkeypatch):
+    """torch 2.11's dynamo cannot trace ``torch.amp.is_autocast_available`` (``torch._C._is_autocast_available``):
+    seen on an H200, every merge under bf16 autocast broke its block's graph there, and the resumed frames hit
+    dynamo's recompile limit. Compiled code must not call it; stood in for here by a function dynamo breaks on."""
+    from lightning_resctl.runtime.autograd import fp32_matmul
+
+    def breaks_the_graph(device_type):
+        torch._dynamo.graph_break()
+        return True
+
+    monkeypatch.setattr(torch.amp, "is_autocast_available", breaks_the_graph)
+    a, b = _inputs()
+    w = torch.randn(64, 8, generator=torch.Generator().manual_seed(2))
+
+    def f(a, b, w):
+        return fp32_matmul(fp32_bmm(a, b), w)
+
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(f, backend="eager", fullgraph=True)(a, b, w)
+        out.sum().backward()
+    assert out.dtype == torch.float32  # autocast was seen on, and the products ran outside it
+    torch.testing.assert_close(out, (a @ b) @ w, rtol=1e-5, atol=1e-5)

@@ -48,8 +48,8 @@ def forward_backward(fn, streams, u, params):
     ps = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
     out, h = fn(leaves[0], leaves[1], ps)
     g = torch.Generator().manual_seed(11)
-    w_out = torch.randn(out.shape, generator=g).to(out.dtype)
-    w_h = torch.randn(h.shape, generator=g).to(h.dtype)
+    w_out = torch.randn(out.shape, generator=g).to(out.device, out.dtype)
+    w_h = torch.randn(h.shape, generator=g).to(h.device, h.dtype)
     ((out.float() * w_out.float()).sum() + (h.float() * w_h.float()).sum()).backward()
     grads = [leaves[0].grad, leaves[1].grad] + [ps[k].grad for k in sorted(ps)]
     return [out, h], grads

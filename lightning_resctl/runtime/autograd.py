@@ -33,6 +33,10 @@ def autocast_off(device_type: str):
 
 
 def _autocast_on(device_type: str) -> bool:
+    # a compiled region runs on a device type autocast knows (the availability check is for eager "meta" tensors),
+    # and torch 2.11's dynamo cannot trace the check: a graph break in every merge under autocast
+    if torch.compiler.is_compiling():
+        return torch.is_autocast_enabled(device_type)
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
