@@ -2,14 +2,15 @@
 
     python benchmarks/bench_recipe.py [--layers 12 24 48] [--C 256] [--T 64] [--batch 8] [--reps 15]
                                       [--rules NAMES] [--backend inductor] [--threads N] [--device cuda]
-                                      [--dtype bf16] [--fullgraph]
+                                      [--dtype bf16] [--fullgraph] [--checkpoint none]
 
 The nanoGPT of ``lightning_resctl/compare/nanogpt.py`` (C=256, 4 heads, T=64, batch 8 unless given) at each depth of
 ``--layers``, in one process, built as the recipe builds it: patched with ``patch_residuals`` (plain: not patched),
 then, by ResidualParallelStrategy's own per-block code (``lightning_resctl.distributed.recipe.wrap_blocks``),
 each block compiled on its own (``block.compile(backend=...)``) and wrapped in ``checkpoint_wrapper``
 (non-reentrant ``torch.utils.checkpoint`` around the compiled block; ``--fullgraph``: the strategy's other order,
-``checkpoint_wrapper`` first, then the wrapper compiled with ``fullgraph=True``). One training step (forward,
+``checkpoint_wrapper`` first, then the wrapper compiled with ``fullgraph=True``; ``--checkpoint none``: compiled, not
+checkpointed, to tell the two parts of the recipe's cost apart). One training step (forward,
 next-token loss, backward, AdamW) of every variant, interleaved, median wall clock over ``--reps`` after
 the first step (its compile time, shown apart) and ``--warmup`` steps; peak memory: on CPU the allocator's peak over
 the forward and backward of one loss beyond what it held before (``torch.profiler`` memory events, as
@@ -43,15 +44,15 @@ from step_bench import build_rows, ratio, rule_installer, time_interleaved  # no
 MIB = 2 ** 20
 
 
-def recipe(install, counter, fullgraph: bool = False):
+def recipe(install, counter, fullgraph: bool = False, checkpoint: str | None = "blocks"):
     """An installer: ``install`` (the patch, or nothing for plain), then what ResidualParallelStrategy does per
-    block (its blocks found as it finds them, each compiled with the counting backend ``counter`` and checkpointed:
-    around the compiled block, or inside it with ``fullgraph``)."""
+    block (its blocks found as it finds them, each compiled with the counting backend ``counter`` and, with
+    ``checkpoint="blocks"``, checkpointed: around the compiled block, or inside it with ``fullgraph``)."""
 
     def build(model):
         model = install(model) if install is not None else model
         options = {"backend": counter, **({"fullgraph": True} if fullgraph else {})}
-        wrap_blocks(model, find_blocks(model), "blocks", options)
+        wrap_blocks(model, find_blocks(model), checkpoint, options)
         return model
     return build
 
@@ -77,10 +78,12 @@ def measure(args, layers: int, rules: list) -> list[dict]:
                    n_embd=args.C).to(device)
     idx = torch.randint(0, args.vocab, (args.batch, args.T), generator=torch.Generator().manual_seed(0)).to(device)
     counters = {name: torch._dynamo.testing.CompileCounterWithBackend(args.backend) for name in ["plain", *rules]}
-    variants = [(name, recipe(rule_installer(name, {}, idx[:2]), counters[name], args.fullgraph), None)
+    ckpt = None if args.checkpoint == "none" else args.checkpoint
+    variants = [(name, recipe(rule_installer(name, {}, idx[:2]), counters[name], args.fullgraph, ckpt), None)
                 for name in rules]
     rows = build_rows(base, variants, lr=1e-4)
-    rows[0]["model"] = recipe(None, counters["plain"], args.fullgraph)(rows[0]["model"])  # plain: the same parameters
+    # plain: the same parameters
+    rows[0]["model"] = recipe(None, counters["plain"], args.fullgraph, ckpt)(rows[0]["model"])
     time_interleaved(rows, idx, reps=args.reps, warmup=args.warmup, dtype=args.dtype)
     for r in rows:
         r["graphs"] = counters[r["label"]].frame_count
@@ -93,9 +96,10 @@ def measure(args, layers: int, rules: list) -> list[dict]:
 
 def print_table(args, layers: int, rows: list[dict]) -> None:
     plain = rows[0]
+    where = "inside the compiled block, fullgraph" if args.fullgraph else "around the compiled block"
+    how = "not checkpointed" if args.checkpoint == "none" else f"checkpointed ({where})"
     print(f"\n{layers}-layer nanoGPT, C={args.C}, {args.heads} heads, T={args.T}, batch {args.batch}, {args.dtype}, "
-          f"{args.device}, {torch.get_num_threads()} threads; blocks compiled ({args.backend}) and checkpointed "
-          f"({'inside the compiled block, fullgraph' if args.fullgraph else 'around the compiled block'}); "
+          f"{args.device}, {torch.get_num_threads()} threads; blocks compiled ({args.backend}) and {how}; "
           f"median of {args.reps} steps")
     print("| model | graphs | ms/step | step time / plain | peak MiB | peak / plain | first step (s) |")
     print("|---|---|---|---|---|---|---|")
@@ -119,6 +123,8 @@ def main() -> None:
     p.add_argument("--fullgraph", action="store_true",
                    help="checkpoint inside the compiled block, compiled with fullgraph=True (the strategy's "
                         "compile={'fullgraph': True})")
+    p.add_argument("--checkpoint", choices=("blocks", "none"), default="blocks",
+                   help="blocks: each block checkpointed, as the recipe does (default); none: compiled only")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
