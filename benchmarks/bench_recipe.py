@@ -2,7 +2,7 @@
 
     python benchmarks/bench_recipe.py [--layers 12 24 48] [--C 256] [--T 64] [--batch 8] [--reps 15]
                                       [--rules NAMES] [--backend inductor] [--threads N] [--device cuda]
-                                      [--dtype bf16] [--fullgraph] [--checkpoint none]
+                                      [--dtype bf16] [--fullgraph] [--checkpoint none] [--profile N]
 
 The nanoGPT of ``lightning_resctl/compare/nanogpt.py`` (C=256, 4 heads, T=64, batch 8 unless given) at each depth of
 ``--layers``, in one process, built as the recipe builds it: patched with ``patch_residuals`` (plain: not patched),
@@ -19,7 +19,10 @@ was allocated before. Graphs: the frames dynamo compiled for the variant's block
 counts them; plain compiles one graph per code object whatever the depth). The variants' blocks share code objects
 (the block's and the merge site's), and ``attnres`` still compiles a graph per merge position, so dynamo's
 ``recompile_limit`` is raised to 4 graphs per block per rule measured. Prints one markdown table per depth:
-graphs, ms/step, step time / plain, peak MiB, peak / plain, first step.
+graphs, ms/step, step time / plain, peak MiB, peak / plain, first step. ``--profile N``: then, per variant, one
+more step under ``torch.profiler`` (inductor's CPU kernels recorded by name): its self time by kind (matrix
+products, attention, inductor's fused kernels, the optimizer, the rest) beside plain's, and its N largest events:
+where a rule's extra time goes.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from pathlib import Path
 import torch
 import torch._dynamo
 import torch._dynamo.testing
+import torch._inductor.config as inductor_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,6 +46,45 @@ from lightning_resctl.distributed.recipe import wrap_blocks  # noqa: E402
 from step_bench import build_rows, ratio, rule_installer, time_interleaved  # noqa: E402
 
 MIB = 2 ** 20
+#: --profile: an event's kind, by the first pattern its name contains (the rest: "other")
+KINDS = (("matmul", ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::linear", "mkldnn", "gemm")),
+         ("attention", ("attention", "sdpa", "flash")),
+         ("fused", ("cpp_fused", "triton_", "cpp_kernel")),
+         ("optimizer", ("_foreach", "adam", "Optimizer")))
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, patterns in KINDS:
+        if any(p.lower() in low for p in patterns):
+            return kind
+    return "other"
+
+
+def profile_step(model, opt, idx, dtype: str) -> dict:
+    """One training step under ``torch.profiler``: ``{"total": s, "kinds": {kind: s}, "events": [(name, s)]}`` of
+    the self time of its events, largest first (device time on CUDA; the device's kernels, else the CPU's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = idx.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            loss = loss_fn(model, idx)
+        loss.backward()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+    kinds, events = {}, []
+    for e in prof.key_averages():
+        t = (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6
+        if t <= 0:
+            continue
+        kind = kind_of(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + t
+        events.append((e.key, t))
+    return {"total": sum(kinds.values()), "kinds": kinds, "events": sorted(events, key=lambda f: -f[1])}
 
 
 def recipe(install, counter, fullgraph: bool = False, checkpoint: str | None = "blocks"):
@@ -91,6 +134,8 @@ def measure(args, layers: int, rules: list) -> list[dict]:
             r["model"].zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
                 r["peak"] = peak_bytes(r["model"], idx)
+            if args.profile:
+                r["profile"] = profile_step(r["model"], r["opt"], idx, args.dtype)
     return rows
 
 
@@ -110,6 +155,32 @@ def print_table(args, layers: int, rows: list[dict]) -> None:
         step, peak = ratio(r, plain, "median"), ratio(r, plain, "peak")
         print(f"| {r['label']} | {r['graphs']} | {r['median'] * 1e3:.1f} | {step:.3f}× | {r['peak'] / MIB:.1f} | "
               f"{peak:.3f}× | {r['first']:.1f} |", flush=True)
+    if args.profile:
+        print_profiles(rows, args.profile)
+
+
+def print_profiles(rows: list[dict], top: int) -> None:
+    """Each variant's profiled step by kind, in ms, and the difference from plain's; then its largest events."""
+    plain = rows[0].get("profile")
+    kinds = [k for k, _ in KINDS] + ["other"]
+    print("\nprofiled step (self time, ms; in brackets: minus plain's)")
+    print("| model | total | " + " | ".join(kinds) + " |")
+    print("|---|---|" + "---|" * len(kinds))
+    for r in rows:
+        prof = r.get("profile")
+        if prof is None:
+            continue
+
+        def cell(value, base):
+            return f"{value * 1e3:.1f}" + ("" if r is rows[0] else f" ({(value - base) * 1e3:+.1f})")
+
+        cells = [cell(prof["kinds"].get(k, 0.0), plain["kinds"].get(k, 0.0)) for k in kinds]
+        print(f"| {r['label']} | {cell(prof['total'], plain['total'])} | " + " | ".join(cells) + " |")
+    for r in rows:
+        if r.get("profile"):
+            largest = r["profile"]["events"][:top]
+            print(f"{r['label']}: largest events (self ms): " + "; ".join(
+                f"{name if len(name) <= 70 else name[:67] + '...'} {t * 1e3:.1f}" for name, t in largest))
 
 
 def main() -> None:
@@ -123,12 +194,16 @@ def main() -> None:
     p.add_argument("--fullgraph", action="store_true",
                    help="checkpoint inside the compiled block, compiled with fullgraph=True (the strategy's "
                         "compile={'fullgraph': True})")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile one more step per variant: self time by kind vs plain, and its N largest events")
     p.add_argument("--checkpoint", choices=("blocks", "none"), default="blocks",
                    help="blocks: each block checkpointed, as the recipe does (default); none: compiled only")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     rules = args.rules or default_rules()
+    if args.profile:
+        inductor_config.cpp.enable_kernel_profile = True  # inductor's CPU kernels as profiler events
     deepest = max(args.layers)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * deepest * len(rules))
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
