@@ -19,8 +19,8 @@ was allocated before. Graphs: the frames dynamo compiled for the variant's block
 counts them; plain compiles one graph per code object whatever the depth). The variants' blocks share code objects
 (the block's and the merge site's), and ``attnres`` still compiles a graph per merge position, so dynamo's
 ``recompile_limit`` is raised to 4 graphs per block per rule measured. Prints one markdown table per depth:
-graphs, ms/step, step time / plain, peak MiB, peak / plain, first step. ``--profile N``: then, per variant, one
-more step under ``torch.profiler`` (inductor's CPU kernels recorded by name): its self time by kind (matrix
+graphs, ms/step, step time / plain, peak MiB, peak / plain, first step. ``--profile N``: then, per variant, three
+more steps under ``torch.profiler`` (inductor's CPU kernels recorded by name): its self time by kind (matrix
 products, attention, inductor's fused kernels, the optimizer, the rest) beside plain's, and its N largest events:
 where a rule's extra time goes.
 """
@@ -61,24 +61,26 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def profile_step(model, opt, idx, dtype: str) -> dict:
-    """One training step under ``torch.profiler``: ``{"total": s, "kinds": {kind: s}, "events": [(name, s)]}`` of
-    the self time of its events, largest first (device time on CUDA; the device's kernels, else the CPU's)."""
+def profile_step(model, opt, idx, dtype: str, steps: int = 3) -> dict:
+    """``steps`` training steps under ``torch.profiler``: ``{"total": s, "kinds": {kind: s}, "events": [(name, s)]}``
+    of the self time of its events per step, largest first (device time on CUDA; the device's kernels, else the
+    CPU's)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = idx.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            loss = loss_fn(model, idx)
-        loss.backward()
-        opt.step()
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                loss = loss_fn(model, idx)
+            loss.backward()
+            opt.step()
         if cuda:
             torch.cuda.synchronize()
     kinds, events = {}, []
     for e in prof.key_averages():
-        t = (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6
+        t = (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6 / steps
         if t <= 0:
             continue
         kind = kind_of(e.key)
@@ -163,7 +165,7 @@ def print_profiles(rows: list[dict], top: int) -> None:
     """Each variant's profiled step by kind, in ms, and the difference from plain's; then its largest events."""
     plain = rows[0].get("profile")
     kinds = [k for k, _ in KINDS] + ["other"]
-    print("\nprofiled step (self time, ms; in brackets: minus plain's)")
+    print("\nprofiled step (self time, ms per step, mean of 3; in brackets: minus plain's)")
     print("| model | total | " + " | ".join(kinds) + " |")
     print("|---|---|" + "---|" * len(kinds))
     for r in rows:
@@ -195,7 +197,7 @@ def main() -> None:
                    help="checkpoint inside the compiled block, compiled with fullgraph=True (the strategy's "
                         "compile={'fullgraph': True})")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="profile one more step per variant: self time by kind vs plain, and its N largest events")
+                   help="profile 3 more steps per variant: self time by kind vs plain, and its N largest events")
     p.add_argument("--checkpoint", choices=("blocks", "none"), default="blocks",
                    help="blocks: each block checkpointed, as the recipe does (default); none: compiled only")
     args = p.parse_args()

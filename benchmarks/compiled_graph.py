@@ -1,6 +1,7 @@
 """What a whole-model ``torch.compile`` sees of each rule: no timing, the compiled graph itself.
 
     python benchmarks/compiled_graph.py [--layers 12 --C 256 --T 64 --batch 8] [--rules NAMES] [--inductor]
+                                        [--saved-by-shape N]
 
 Per rule, for one training step (forward + backward) of the nanoGPT with the rule patched in, compiled whole
 (``fullgraph=True``: a graph break raises):
@@ -9,6 +10,8 @@ Per rule, for one training step (forward + backward) of the nanoGPT with the rul
   (an opaque op: what inductor cannot fuse with its neighbours);
 * the activations the partitioner saves for backward (min-cut rematerialization, inductor's; parameters and
   inputs left out), in bytes, as a ratio to the compiled plain model's;
+* ``--saved-by-shape N``: what the saved bytes are, beyond plain's: the N (shape, dtype) groups of saved
+  activations with the most bytes more than plain saves of that group, with their count per step;
 * ``--inductor``: the kernels inductor generates (forward / backward; C++ kernels on CPU, Triton kernels on
   CUDA, library calls such as ``mm`` apart) and the compile time of the first step, as a ratio to plain's
   (wall clock: run it on a quiet machine).
@@ -54,17 +57,25 @@ class GraphCapture:
         return aot_autograd(fw_compiler=keep(self.forward), bw_compiler=keep(self.backward),
                             partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
 
+    def saved(self) -> list:
+        """The activations the forward graphs save for their backward graphs (the graphs' own inputs, the
+        parameters among them, left out), as fake tensors."""
+        return [node.meta["val"] for graph in self.backward for node in graph.graph.nodes
+                if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor)
+                and not node.name.startswith(("tangents", "primals"))]
+
     def saved_bytes(self) -> int:
-        """Bytes of the activations the forward graphs save for their backward graphs (the graphs' own inputs,
-        the parameters among them, left out)."""
-        total = 0
-        for graph in self.backward:
-            for node in graph.graph.nodes:
-                val = node.meta.get("val")
-                if node.op == "placeholder" and isinstance(val, torch.Tensor) \
-                        and not node.name.startswith(("tangents", "primals")):
-                    total += val.numel() * val.element_size()
-        return total
+        """Bytes of :meth:`saved`."""
+        return sum(t.numel() * t.element_size() for t in self.saved())
+
+    def saved_by_shape(self) -> dict:
+        """``{(shape, dtype): (count, bytes)}`` of :meth:`saved`."""
+        groups: dict = {}
+        for t in self.saved():
+            key = (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            count, size = groups.get(key, (0, 0))
+            groups[key] = (count + 1, size + t.numel() * t.element_size())
+        return groups
 
 
 def _calls(graphs):
@@ -103,7 +114,18 @@ def graph_row(args, method: str) -> dict:
     capture = GraphCapture()
     gpt_loss(torch.compile(model, backend=capture, fullgraph=True), idx).backward()
     return {"fw ops": call_count(capture.forward), "bw ops": call_count(capture.backward),
-            "opaque": sorted(opaque_calls(capture.forward + capture.backward)), "saved": capture.saved_bytes()}
+            "opaque": sorted(opaque_calls(capture.forward + capture.backward)), "saved": capture.saved_bytes(),
+            "saved by shape": capture.saved_by_shape()}
+
+
+def saved_beyond(row: dict, plain: dict, top: int) -> str:
+    """The ``top`` (shape, dtype) groups ``row`` saves the most bytes more of than ``plain``: "count x shape dtype
+    (+MiB)"."""
+    base = plain["saved by shape"]
+    extra = sorted(((size - base.get(key, (0, 0))[1], key, count) for key, (count, size) in
+                    row["saved by shape"].items()), reverse=True)[:top]
+    return ", ".join(f"{count} x {list(shape)} {dtype} ({more / 2**20:+.2f} MiB)"
+                     for more, (shape, dtype), count in extra if more > 0)
 
 
 _KERNEL = re.compile(r"^(\w+) = async_compile\.(cpp_pybinding|cpp|triton)\(", re.M)
@@ -132,6 +154,8 @@ def main(argv=None) -> None:
     p.add_argument("--rules", default="add,rescontroller,mgr-competitive,mgr-independent,attnres,attnres-block,hc,"
                                       "mhc,mhc-lite")
     p.add_argument("--inductor", action="store_true", help="also compile with inductor: kernels, compile time")
+    p.add_argument("--saved-by-shape", type=int, default=0, metavar="N",
+                   help="the N groups of saved activations (shape, dtype) with the most bytes beyond plain's")
     args = p.parse_args(argv)
     os.environ.setdefault("LIGHTNING_RESCTL_COMPILE", "0")  # no background compile of the eager regions meanwhile
     rules = ["plain"] + [r.strip() for r in args.rules.split(",") if r.strip()]
@@ -153,6 +177,8 @@ def main(argv=None) -> None:
             line += (f"{'/'.join(map(str, row['kernels'])):>15}{'/'.join(map(str, row['library calls'])):>15}"
                      f"{row['compile s']:>11.1f}{row['compile s'] / plain['compile s']:>8.2f}")
         print(line + "  " + (", ".join(row["opaque"]) or "none"), flush=True)
+        if args.saved_by_shape and row is not plain:
+            print(f"{'':<18}saved beyond plain: {saved_beyond(row, plain, args.saved_by_shape) or 'nothing'}")
 
 
 if __name__ == "__main__":
