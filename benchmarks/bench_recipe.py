@@ -47,9 +47,9 @@ from step_bench import build_rows, ratio, rule_installer, time_interleaved  # no
 
 MIB = 2 ** 20
 #: --profile: an event's kind, by the first pattern its name contains (the rest: "other")
-KINDS = (("matmul", ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::linear", "mkldnn", "gemm")),
+KINDS = (("fused", ("cpp_fused", "triton_", "cpp_kernel")),  # first: inductor names its kernels by the ops they fuse
+         ("matmul", ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::linear", "mkldnn", "gemm")),
          ("attention", ("attention", "sdpa", "flash")),
-         ("fused", ("cpp_fused", "triton_", "cpp_kernel")),
          ("optimizer", ("_foreach", "adam", "Optimizer")))
 
 
@@ -164,7 +164,7 @@ def print_table(args, layers: int, rows: list[dict]) -> None:
 def print_profiles(rows: list[dict], top: int) -> None:
     """Each variant's profiled step by kind, in ms, and the difference from plain's; then its largest events."""
     plain = rows[0].get("profile")
-    kinds = [k for k, _ in KINDS] + ["other"]
+    kinds = ["matmul", "attention", "fused", "optimizer", "other"]
     print("\nprofiled step (self time, ms per step, mean of 3; in brackets: minus plain's)")
     print("| model | total | " + " | ".join(kinds) + " |")
     print("|---|---|" + "---|" * len(kinds))
