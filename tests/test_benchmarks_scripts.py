@@ -88,12 +88,9 @@ def test_benchmarks_import_nothing_from_tests():
 def test_each_compile_mode_compiles_the_eager_models():
     # gpu_check's bench-compiled asks for two modes; the second once compiled the first's compiled models again
     # (torch.compile of a compiled module is a function: the step benchmark then failed on .parameters())
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from step_bench import compiled_rows
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
     import torch
+
+    from benchmarks.step_bench import compiled_rows
 
     rows = [{"label": "plain", "model": torch.nn.Linear(2, 2), "opt": None, "note": None}]
     for mode in ("default", "reduce-overhead"):
