@@ -43,7 +43,7 @@ from bench_scaling import _names, default_rules  # noqa: E402
 from benchmarks.models import NanoGPT, add_step_arguments  # noqa: E402
 from lightning_resctl.distributed.blocks import find_blocks  # noqa: E402
 from lightning_resctl.distributed.recipe import wrap_blocks  # noqa: E402
-from step_bench import build_rows, ratio, rule_installer, time_interleaved  # noqa: E402
+from step_bench import build_rows, ratio, rule_installer, time_interleaved, train_step  # noqa: E402
 
 MIB = 2 ** 20
 #: --profile: an event's kind, by the first pattern its name contains (the rest: "other")
@@ -61,23 +61,17 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def profile_step(model, opt, idx, dtype: str, steps: int = 3) -> dict:
-    """``steps`` training steps under ``torch.profiler``: ``{"total": s, "kinds": {kind: s}, "events": [(name, s)]}``
-    of the self time of its events per step, largest first (device time on CUDA; the device's kernels, else the
-    CPU's)."""
+def profile_step(row: dict, idx, dtype: str, steps: int = 3) -> dict:
+    """``steps`` training steps of ``row`` (:func:`step_bench.train_step`) under ``torch.profiler``: ``{"total": s,
+    "kinds": {kind: s}, "events": [(name, s)]}`` of the self time of its events per step, largest first (device time
+    on CUDA; the device's kernels, else the CPU's)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = idx.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-                loss = loss_fn(model, idx)
-            loss.backward()
-            opt.step()
-        if cuda:
-            torch.cuda.synchronize()
+            train_step(row, idx, dtype)
     kinds, events = {}, []
     for e in prof.key_averages():
         t = (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6 / steps
@@ -137,7 +131,7 @@ def measure(args, layers: int, rules: list) -> list[dict]:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
                 r["peak"] = peak_bytes(r["model"], idx)
             if args.profile:
-                r["profile"] = profile_step(r["model"], r["opt"], idx, args.dtype)
+                r["profile"] = profile_step(r, idx, args.dtype)
     return rows
 
 

@@ -118,25 +118,30 @@ def compiled_rows(rows: list[dict], mode: str) -> list[dict]:
              "mode": mode} for r in eager]
 
 
+def autocast_for(device: torch.device, dtype: str):
+    """The context a step of ``dtype`` runs in: bf16 autocast for "bf16", else none."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+
+
+def train_step(row: dict, idx: torch.Tensor, dtype: str = "fp32") -> None:
+    """One training step of ``row["model"]`` with ``row["opt"]`` (next-token loss on ``idx``, backward, optimizer
+    step) in :func:`autocast_for` ``dtype``, finished on the device before it returns."""
+    row["opt"].zero_grad(set_to_none=True)
+    with autocast_for(idx.device, dtype):
+        loss = gpt_loss(row["model"], idx)
+    loss.backward()
+    row["opt"].step()
+    if idx.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def time_interleaved(rows: list[dict], idx: torch.Tensor, *, reps: int, warmup: int,
                      dtype: str = "fp32", before_timing: Optional[Callable] = None) -> list[dict]:
     """Time the training step of every row with a model (see the module docstring); adds ``first`` (s),
     ``times`` (s), ``median`` (s) and ``saved`` (bytes) to each; a variant whose step raises loses its model and
     keeps the error as its note; ``before_timing()`` is called after the warm-up steps. Returns ``rows``."""
-    device = idx.device
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext())
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
     def step(r):
-        r["opt"].zero_grad(set_to_none=True)
-        with autocast:
-            loss = gpt_loss(r["model"], idx)
-        loss.backward()
-        r["opt"].step()
-        sync()
+        train_step(r, idx, dtype)
 
     live = [r for r in rows if r["model"] is not None]
     for r in live:  # first step: one-time costs (compiles, lazy kernel loads)
@@ -164,7 +169,7 @@ def time_interleaved(rows: list[dict], idx: torch.Tensor, *, reps: int, warmup: 
             r["times"].append(time.perf_counter() - t0)
     for r in live:
         r["median"] = statistics.median(r["times"])
-        with autocast:
+        with autocast_for(idx.device, dtype):
             r["saved"] = saved_tensor_bytes(gpt_loss, r["model"], idx, exclude=r["model"].parameters())[0]
     return rows
 
