@@ -60,6 +60,34 @@ def test_concurrent_first_calls_from_threads_compile_one_at_a_time():
     _process_is_clean()
 
 
+@needs_compiler
+def test_a_trace_in_another_thread_is_not_a_tracer_here():
+    """torch.fx's "is tracing" flag is process-wide: while one thread traces a region's math, a region called from
+    another thread must still compile (it read the flag as a user's tracer and ran eagerly: the thread test above
+    then counted three graphs for four shapes, now and then)."""
+    from lightning_resctl.runtime.regions import _under_a_tracer
+
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_math(a):
+        inside.set()
+        release.wait(30)
+        return a * 2
+
+    region = CompiledRegion(slow_math)
+    tracing = threading.Thread(target=region, args=(torch.randn(3, 4),))
+    tracing.start()
+    try:
+        assert inside.wait(30), "the other thread never reached its trace"
+        seen_here = _under_a_tracer()
+    finally:
+        release.set()
+        tracing.join()
+    assert not seen_here
+    assert region.num_graphs == 1 and not region.failed
+    _process_is_clean()
+
+
 def test_a_failure_inside_the_trace_leaves_the_process_clean():
     def broken(a):
         raise ValueError("the math refuses")

@@ -26,6 +26,7 @@ from .tracer import (
     COMPILED_DEVICES,
     ambient,
     flatten_signature,
+    fx_tracing_elsewhere,
     guard_from_text,
     trace_region,
     unflatten_output,
@@ -60,8 +61,10 @@ class CompiledMath:
 
 def _under_a_tracer() -> bool:
     """``torch.jit.trace`` (and the ONNX exporter built on it), ``torch.export`` or FX symbolic tracing is
-    recording the ops: they must see the eager math, not a call into compiled code."""
-    return torch.jit.is_tracing() or torch.compiler.is_exporting() or fx_symbolic_trace.is_fx_symbolic_tracing()
+    recording the ops: they must see the eager math, not a call into compiled code. FX's flag is process-wide: a
+    region's own trace in another thread sets it too, and does not count (:func:`fx_tracing_elsewhere`)."""
+    return (torch.jit.is_tracing() or torch.compiler.is_exporting()
+            or (fx_symbolic_trace.is_fx_symbolic_tracing() and not fx_tracing_elsewhere()))
 
 
 def _plain_call(tensors: list) -> bool:

@@ -22,6 +22,16 @@ COMPILED_DEVICES = ("cpu", "cuda")
 #: Held around every trace and compile of every region of this process: ``make_fx`` and inductor keep
 #: process-wide state (torch.fx's "is tracing" flag, the patcher), so two traces at once corrupt it.
 COMPILE_LOCK = threading.RLock()
+#: The thread running :func:`trace_region` now, if any: torch.fx's "is tracing" flag is process-wide, so while it
+#: traces, the flag reads as set in every thread (:func:`fx_tracing_elsewhere`).
+_TRACING_THREAD: Optional[int] = None
+
+
+def fx_tracing_elsewhere() -> bool:
+    """Whether torch.fx's process-wide "is tracing" flag was set by a region's trace in another thread (and not by
+    a tracer recording this thread's ops)."""
+    owner = _TRACING_THREAD
+    return owner is not None and owner != threading.get_ident()
 
 
 def flatten_signature(args, tensors: list) -> Optional[tuple]:
@@ -103,7 +113,12 @@ def trace_region(fn, args, tensors: list):
         spec.append((tree, kinds, tuple(None if k else leaf for k, leaf in zip(kinds, leaves))))
         return tuple(leaf for leaf, k in zip(leaves, kinds) if k)
 
-    graph = make_fx(flat, tracing_mode="symbolic")(*tensors)
+    global _TRACING_THREAD
+    _TRACING_THREAD = threading.get_ident()
+    try:
+        graph = make_fx(flat, tracing_mode="symbolic")(*tensors)
+    finally:
+        _TRACING_THREAD = None
     examples = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")]
     return graph, examples, guard_text(examples), spec[-1]
 
