@@ -61,28 +61,48 @@ def test_concurrent_first_calls_from_threads_compile_one_at_a_time():
 
 
 @needs_compiler
-def test_a_trace_in_another_thread_is_not_a_tracer_here():
-    """torch.fx's "is tracing" flag is process-wide: while one thread traces a region's math, a region called from
-    another thread must still compile (it read the flag as a user's tracer and ran eagerly: the thread test above
-    then counted three graphs for four shapes, now and then)."""
+@pytest.mark.parametrize("phase", ["trace", "compile"])
+def test_a_compile_in_another_thread_is_not_a_tracer_here(phase, monkeypatch):
+    """torch.fx's "is tracing" flag is process-wide: ``make_fx`` sets it while a region's math is traced, and
+    inductor's own passes while it compiles. A region called from another thread meanwhile must still compile (it
+    read the flag as a user's tracer and ran eagerly: the thread test above counted three graphs for four shapes,
+    about one run in 25)."""
+    from torch._inductor import compile_fx as inductor
+
     from lightning_resctl.runtime.regions import _under_a_tracer
 
     inside, release = threading.Event(), threading.Event()
 
-    def slow_math(a):
+    def wait_here():
         inside.set()
         release.wait(30)
+
+    def slow_math(a):
+        if phase == "trace":
+            wait_here()
         return a * 2
 
+    def compile_fx_tracing_a_pattern(graph, examples):  # as inductor's pattern passes do: an fx trace inside
+        def pattern(x):
+            wait_here()
+            return x
+
+        fx_trace.symbolic_trace(pattern)
+        return real_compile_fx(graph, examples)
+
+    real_compile_fx = inductor.compile_fx
+    if phase == "compile":
+        monkeypatch.setattr(inductor, "compile_fx", compile_fx_tracing_a_pattern)
     region = CompiledRegion(slow_math)
-    tracing = threading.Thread(target=region, args=(torch.randn(3, 4),))
-    tracing.start()
+    other = threading.Thread(target=region, args=(torch.randn(3, 4),))
+    other.start()
     try:
-        assert inside.wait(30), "the other thread never reached its trace"
-        seen_here = _under_a_tracer()
+        assert inside.wait(30), f"the other thread never reached its {phase}"
+        flag_set, seen_here = fx_trace.is_fx_symbolic_tracing(), _under_a_tracer()
     finally:
         release.set()
-        tracing.join()
+        other.join()
+    assert flag_set, "the other thread's trace did not set torch.fx's flag: this test no longer tests anything"
     assert not seen_here
     assert region.num_graphs == 1 and not region.failed
     _process_is_clean()

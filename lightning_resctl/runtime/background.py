@@ -35,7 +35,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .tracer import COMPILE_LOCK, ambient, flatten_signature, rebuild_args, set_ambient, trace_region
+from .tracer import ambient, compiling, flatten_signature, rebuild_args, set_ambient, trace_region
 
 __all__ = ["TensorSpec", "BackgroundCompiler", "compiler_for", "main"]
 
@@ -214,7 +214,7 @@ def _compile(job: dict) -> dict:
         # the kernels are written for the thread count the parent runs them with (a child at 1 thread wrote
         # single-threaded kernels, which the parent then ran at every step)
         torch.set_num_threads(job["num_threads"])
-        with COMPILE_LOCK:
+        with compiling():
             graph, examples, guard, spec = trace_region(fn, args, tensors)
             artifact = torch._inductor.standalone_compile(graph, examples)
     finally:

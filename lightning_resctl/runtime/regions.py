@@ -25,8 +25,9 @@ from .tracer import (
     COMPILE_LOCK,
     COMPILED_DEVICES,
     ambient,
+    compiling,
+    compiling_elsewhere,
     flatten_signature,
-    fx_tracing_elsewhere,
     guard_from_text,
     trace_region,
     unflatten_output,
@@ -62,9 +63,9 @@ class CompiledMath:
 def _under_a_tracer() -> bool:
     """``torch.jit.trace`` (and the ONNX exporter built on it), ``torch.export`` or FX symbolic tracing is
     recording the ops: they must see the eager math, not a call into compiled code. FX's flag is process-wide: a
-    region's own trace in another thread sets it too, and does not count (:func:`fx_tracing_elsewhere`)."""
+    region's trace or compile in another thread sets it too, and does not count (:func:`~.tracer.compiling`)."""
     return (torch.jit.is_tracing() or torch.compiler.is_exporting()
-            or (fx_symbolic_trace.is_fx_symbolic_tracing() and not fx_tracing_elsewhere()))
+            or (fx_symbolic_trace.is_fx_symbolic_tracing() and not compiling_elsewhere()))
 
 
 def _plain_call(tensors: list) -> bool:
@@ -130,8 +131,8 @@ class CompiledRegion:
       next call of that signature. :func:`wait_for_compiles` waits for the queue (benchmarks).
       ``fn`` must be importable by its module and qualified name; others compile as ``region(*args)`` does.
 
-    Every trace and compile of the process holds :data:`COMPILE_LOCK`, so first calls from several threads
-    compile one after another. Falls back to eager ``fn``, always with the same result:
+    Every trace and compile of the process holds :data:`COMPILE_LOCK` (:func:`~.tracer.compiling`), so first calls
+    from several threads compile one after another. Falls back to eager ``fn``, always with the same result:
 
     * under grad mode with an input that requires grad (autograd then records the eager ops), for tensor
       subclasses or devices other than CPU / CUDA, while a dispatch or function mode is active (a FLOP counter,
@@ -232,7 +233,7 @@ class CompiledRegion:
     def _compile_now(self, sig, args, tensors):
         from torch._inductor.compile_fx import compile_fx
 
-        with COMPILE_LOCK:
+        with compiling():
             entry = self._lookup(sig, tensors)  # another thread may have compiled it meanwhile
             if entry is not None or sig in self._failed_sigs:
                 return entry

@@ -7,6 +7,7 @@ Shared by :mod:`lightning_resctl.runtime.regions` (in this process) and :mod:`li
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from typing import Callable, Optional
@@ -14,23 +15,35 @@ from typing import Callable, Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["COMPILE_LOCK", "COMPILED_DEVICES", "ambient", "flatten_signature", "rebuild_args", "guard_text",
-           "guard_from_text", "trace_region", "unflatten_output", "set_ambient"]
+__all__ = ["COMPILE_LOCK", "COMPILED_DEVICES", "ambient", "compiling", "compiling_elsewhere", "flatten_signature",
+           "rebuild_args", "guard_text", "guard_from_text", "trace_region", "unflatten_output", "set_ambient"]
 
 #: Device types whose tensors a region compiles for.
 COMPILED_DEVICES = ("cpu", "cuda")
 #: Held around every trace and compile of every region of this process: ``make_fx`` and inductor keep
 #: process-wide state (torch.fx's "is tracing" flag, the patcher), so two traces at once corrupt it.
 COMPILE_LOCK = threading.RLock()
-#: The thread running :func:`trace_region` now, if any: torch.fx's "is tracing" flag is process-wide, so while it
-#: traces, the flag reads as set in every thread (:func:`fx_tracing_elsewhere`).
-_TRACING_THREAD: Optional[int] = None
+_COMPILING_THREAD: Optional[int] = None  # the thread inside :func:`compiling`, if any
 
 
-def fx_tracing_elsewhere() -> bool:
-    """Whether torch.fx's process-wide "is tracing" flag was set by a region's trace in another thread (and not by
-    a tracer recording this thread's ops)."""
-    owner = _TRACING_THREAD
+@contextlib.contextmanager
+def compiling():
+    """Hold :data:`COMPILE_LOCK` for a trace and compile, marking this thread as the one compiling. torch.fx's
+    "is tracing" flag is process-wide: ``make_fx`` and inductor's own passes set it, and it then reads as set in
+    every thread (:func:`compiling_elsewhere`)."""
+    global _COMPILING_THREAD
+    with COMPILE_LOCK:
+        outer, _COMPILING_THREAD = _COMPILING_THREAD, threading.get_ident()
+        try:
+            yield
+        finally:
+            _COMPILING_THREAD = outer
+
+
+def compiling_elsewhere() -> bool:
+    """Whether another thread of this process is tracing or compiling a region (:func:`compiling`): torch.fx's
+    "is tracing" flag may then be its, not a tracer's recording this thread's ops."""
+    owner = _COMPILING_THREAD
     return owner is not None and owner != threading.get_ident()
 
 
@@ -102,7 +115,7 @@ def trace_region(fn, args, tensors: list):
     Returns ``(graph, examples, guard_text, out_spec)``: the graph returns the tensors among the flat leaves of
     ``fn``'s output (:func:`unflatten_output` with ``out_spec`` rebuilds the output, its other leaves — None, Python
     scalars — as they were), ``examples`` are its fake inputs, ``guard_text`` the sizes it assumed
-    (:func:`guard_text`). Call it holding :data:`COMPILE_LOCK`."""
+    (:func:`guard_text`). Call it inside :func:`compiling`."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     spec: list = []
@@ -113,12 +126,7 @@ def trace_region(fn, args, tensors: list):
         spec.append((tree, kinds, tuple(None if k else leaf for k, leaf in zip(kinds, leaves))))
         return tuple(leaf for leaf, k in zip(leaves, kinds) if k)
 
-    global _TRACING_THREAD
-    _TRACING_THREAD = threading.get_ident()
-    try:
-        graph = make_fx(flat, tracing_mode="symbolic")(*tensors)
-    finally:
-        _TRACING_THREAD = None
+    graph = make_fx(flat, tracing_mode="symbolic")(*tensors)
     examples = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")]
     return graph, examples, guard_text(examples), spec[-1]
 
