@@ -43,7 +43,7 @@ from bench_scaling import _names, default_rules  # noqa: E402
 from benchmarks.models import NanoGPT, add_step_arguments  # noqa: E402
 from lightning_resctl.distributed.blocks import find_blocks  # noqa: E402
 from lightning_resctl.distributed.recipe import wrap_blocks  # noqa: E402
-from step_bench import build_rows, ratio, rule_installer, time_interleaved, train_step  # noqa: E402
+from step_bench import autocast_for, build_rows, ratio, rule_installer, time_interleaved, train_step  # noqa: E402
 
 MIB = 2 ** 20
 #: --profile: an event's kind, by the first pattern its name contains (the rest: "other")
@@ -128,7 +128,7 @@ def measure(args, layers: int, rules: list) -> list[dict]:
         r["graphs"] = counters[r["label"]].frame_count
         if r["model"] is not None:
             r["model"].zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+            with autocast_for(device, args.dtype):
                 r["peak"] = peak_bytes(r["model"], idx)
             if args.profile:
                 r["profile"] = profile_step(r, idx, args.dtype)

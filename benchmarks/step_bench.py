@@ -140,15 +140,12 @@ def time_interleaved(rows: list[dict], idx: torch.Tensor, *, reps: int, warmup: 
     """Time the training step of every row with a model (see the module docstring); adds ``first`` (s),
     ``times`` (s), ``median`` (s) and ``saved`` (bytes) to each; a variant whose step raises loses its model and
     keeps the error as its note; ``before_timing()`` is called after the warm-up steps. Returns ``rows``."""
-    def step(r):
-        train_step(r, idx, dtype)
-
     live = [r for r in rows if r["model"] is not None]
     for r in live:  # first step: one-time costs (compiles, lazy kernel loads)
         r["times"] = []
         t0 = time.perf_counter()
         try:
-            step(r)
+            train_step(r, idx, dtype)
         except Exception as err:  # noqa: BLE001
             r["note"] = f"failed in a step: {first_line(err)}"
             r["model"] = None
@@ -158,14 +155,14 @@ def time_interleaved(rows: list[dict], idx: torch.Tensor, *, reps: int, warmup: 
     live = [r for r in live if r["model"] is not None]
     for _ in range(warmup):
         for r in live:
-            step(r)
+            train_step(r, idx, dtype)
     if before_timing is not None:
         before_timing()
     for rep in range(reps):
         k = rep % len(live)
         for r in live[k:] + live[:k]:
             t0 = time.perf_counter()
-            step(r)
+            train_step(r, idx, dtype)
             r["times"].append(time.perf_counter() - t0)
     for r in live:
         r["median"] = statistics.median(r["times"])
