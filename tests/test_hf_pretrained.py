@@ -162,6 +162,39 @@ def test_a_loader_that_does_not_know_the_patch_fails_loudly_and_an_aware_one_bui
         assert expected in out.stdout and (mode == "aware" or "lightning_resctl" in out.stdout), out.stdout[-2000:]
 
 
+class _Holder(torch.nn.Module):
+    """A LightningModule's shape: the transformers model is its ``self.model``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids).logits
+
+
+def test_a_patch_of_a_module_holding_a_transformers_model_marks_the_inner_models_folder(tmp_path):
+    """``ResidualControlCallback`` patches the LightningModule, not its ``self.model``. A ``save_pretrained`` of that
+    inner model wrote a plain GPT-2 ``config.json``: an Auto class then built the unpatched network, its load report
+    listing the patch's keys as UNEXPECTED (a silently different network). Its folder must say it is patched, so
+    transformers alone refuses it (as above) and the aware loader raises (the records name paths under the holder:
+    docs/transformers.md, "Not covered"); unpatched, the note goes."""
+    holder = _Holder(_gpt2())
+    report = patch_residuals(holder, method="rescontroller", example_input=IDS)
+    holder.model.save_pretrained(tmp_path / "m")
+    saved = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert saved["model_type"] == "lightning_resctl", saved["model_type"]
+    assert saved["lightning_resctl"]["base_model_type"] == "gpt2"
+    assert saved["lightning_resctl"]["merges"] == len(report.sites) == 4
+    assert "_Holder" in saved["lightning_resctl"]["load_with"]
+    with pytest.raises(ValueError, match="renamed"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    unpatch_residuals(holder)
+    holder.model.save_pretrained(tmp_path / "after")
+    saved = json.loads((tmp_path / "after" / "config.json").read_text())
+    assert saved["model_type"] == "gpt2" and "lightning_resctl" not in saved
+
+
 def test_a_class_loader_of_a_patched_folder_warns_and_a_resave_is_loaded_as_saved(tmp_path):
     """What stays: a class's own loader (``GPT2LMHeadModel.from_pretrained``) builds the unpatched class, with
     transformers' model-type warning and load report (docs/limits.md); saved again, the folder has the note but no

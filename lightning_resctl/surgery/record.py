@@ -108,32 +108,51 @@ def _auto_class_name(model: nn.Module, config: Any) -> str:
     return name
 
 
-def note_patch_on_config(model: nn.Module, report: Any) -> None:
-    """Write the patch's note on ``model.config`` (a transformers model; anything else is left alone), so that
-    ``save_pretrained`` puts it in ``config.json`` (``{"method", "options", "merges", "load_with"}``), and give the
-    config the subclass whose ``config.json`` names the patched model type (:func:`folder_config_class`)."""
-    config = _hf_config(model)
-    if config is None:
-        return
-    register_folder_config()
-    config.__class__ = folder_config_class(type(config))
+def _hf_models(model: nn.Module) -> list:
+    """``(path, module)`` of the transformers models in ``model``: ``model`` itself when it is one, else the
+    outermost ones inside it (a LightningModule's ``self.model``); a model's own inner models share its config."""
+    found: list = []
+    for name, module in model.named_modules():
+        if _hf_config(module) is not None and not any(name.startswith(p + ".") or not p for p, _ in found):
+            found.append((name, module))
+    return found
 
-    setattr(config, CONFIG_KEY, {
-        "method": report.method,
-        "options": plain(dict(report.options)),
-        "merges": len(report.sites),
-        "load_with": f"import lightning_resctl, then {_auto_class_name(model, config)}.from_pretrained(path) "
-                     f"(or lightning_resctl.from_pretrained({_auto_class_name(model, config)}, path))",
-        "note": "the weights hold lightning_resctl merge sites: transformers alone does not know this model type",
-    })
+
+def note_patch_on_config(model: nn.Module, report: Any) -> None:
+    """Write the patch's note on the ``config`` of each transformers model in ``model`` (:func:`_hf_models`;
+    anything else is left alone), so that ``save_pretrained`` puts it in ``config.json`` (``{"method", "options",
+    "merges", "load_with"}``), and give the config the subclass whose ``config.json`` names the patched model type
+    (:func:`folder_config_class`). A model inside the patched module gets the note too: its folder holds the
+    patch's keys, and would otherwise load as the unpatched network (one holding no merge is left alone)."""
+    for path, hf_model in _hf_models(model):
+        merges = sum(1 for site in report.sites if not path or site.path == path or site.path.startswith(path + "."))
+        if path and not merges:
+            continue
+        config = hf_model.config
+        register_folder_config()
+        config.__class__ = folder_config_class(type(config))
+        auto = _auto_class_name(hf_model, config)
+        load_with = (f"import lightning_resctl, then {auto}.from_pretrained(path) (or "
+                     f"lightning_resctl.from_pretrained({auto}, path))") if not path else (
+            f"patched as part of a {type(model).__name__} (this model is its {path!r}): its site records name paths "
+            f"in that module, so load that module's checkpoint (lightning_resctl.patch_from_checkpoint), or patch "
+            f"the {type(hf_model).__name__} itself to save a folder {auto}.from_pretrained loads")
+        setattr(config, CONFIG_KEY, {
+            "method": report.method,
+            "options": plain(dict(report.options)),
+            "merges": merges,
+            "load_with": load_with,
+            "note": "the weights hold lightning_resctl merge sites: transformers alone does not know this model type",
+        })
 
 
 def forget_patch_on_config(model: nn.Module) -> None:
-    """Remove the note of :func:`note_patch_on_config` and its config subclass (the model was unpatched)."""
-    config = _hf_config(model)
-    if config is not None and hasattr(config, CONFIG_KEY):
-        delattr(config, CONFIG_KEY)
-        config.__class__ = original_config_class(type(config))
+    """Remove the notes of :func:`note_patch_on_config` and their config subclass (the model was unpatched)."""
+    for _, hf_model in _hf_models(model):
+        config = hf_model.config
+        if hasattr(config, CONFIG_KEY):
+            delattr(config, CONFIG_KEY)
+            config.__class__ = original_config_class(type(config))
 
 
 def folder_config_class(cls: type) -> type:
