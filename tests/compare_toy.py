@@ -7,6 +7,8 @@ seed) and a plain validation loader. ``KillOnce``: a callback that kills the pro
 step of a given run of the process, once (a marker file remembers it), to test ``--resume``; ``TermOnce``: the same
 with SIGTERM (what a cluster sends before pre-empting), during a training step or a validation. ``BatchLog``: appends
 every training batch's fingerprint to a file, one line per step (run index in the process, step, digest).
+``MixerLM``: ``ToyLM`` with its blocks as modules of one class (a causal MLP-mixer), for the strategy's per-block
+compile; ``GraphsPerRun``: the graphs dynamo compiles with the ``"resctl_counting"`` backend, per run and step.
 """
 from __future__ import annotations
 
@@ -57,6 +59,41 @@ class ToyLM(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
+
+
+class MixerBlock(nn.Module):
+    """A causal MLP-mixer block: a token-mixing linear map masked to the past, then a channel MLP, each added to the
+    stream (two merges per block)."""
+
+    def __init__(self, dim: int, seq: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.tokens = nn.Linear(seq, seq)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.register_buffer("causal", torch.tril(torch.ones(seq, seq)))
+
+    def forward(self, x):
+        mixed = nn.functional.linear(self.norm1(x).transpose(1, 2), self.tokens.weight * self.causal, self.tokens.bias)
+        x = x + mixed.transpose(1, 2)
+        x = x + self.mlp(self.norm2(x))
+        return x
+
+
+class MixerLM(ToyLM):
+    """:class:`ToyLM` with its residual blocks as modules of one class (:class:`MixerBlock`), which
+    ResidualParallelStrategy finds, compiles and checkpoints one by one."""
+
+    def __init__(self, vocab: int = 24, dim: int = 16, depth: int = 4, lr: float = 0.01, seq: int = 12):
+        super().__init__(vocab=vocab, dim=dim, depth=1, dropout=0.0, lr=lr, seq=seq)
+        self.save_hyperparameters()
+        del self.norms, self.mlps
+        self.blocks = nn.ModuleList(MixerBlock(dim, seq) for _ in range(depth))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
 
 class ToyData(L.LightningDataModule):
     def __init__(self, vocab: int = 24, seq: int = 12, train_size: int = 96, val_size: int = 16, batch_size: int = 8):
@@ -154,3 +191,39 @@ class BatchLog(Callback):
         digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in batch)).hexdigest()[:12]
         with self.path.open("a") as f:
             f.write(f"{BatchLog.fits} {trainer.global_step} {digest}\n")
+
+
+class GraphsPerRun(Callback):
+    """The graphs compiled with the ``"resctl_counting"`` backend (aot_eager, counted), per run of the process:
+    ``runs[i]`` is ``[(stage, graphs compiled so far in the run)]`` at each training step's start, each validation's
+    end and the fit's end."""
+
+    runs: list = []
+
+    def _note(self, stage: str) -> None:
+        GraphsPerRun.runs[-1].append((stage, COUNTING.frame_count - self._start))
+
+    def on_fit_start(self, trainer, pl_module):
+        self._start = COUNTING.frame_count
+        GraphsPerRun.runs.append([])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._note(f"step {trainer.global_step}")
+
+    def on_validation_end(self, trainer, pl_module):
+        self._note(f"validation at {trainer.global_step}")
+
+    def on_fit_end(self, trainer, pl_module):
+        self._note("end")
+
+
+def _register_counting_backend():
+    import torch._dynamo
+    import torch._dynamo.testing
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    torch._dynamo.register_backend(counter, name="resctl_counting")
+    return counter
+
+
+COUNTING = _register_counting_backend()

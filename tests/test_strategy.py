@@ -266,6 +266,48 @@ def test_compare_runs_under_the_strategy_from_the_yaml(one_rank, tmp_path, caplo
     assert (tmp_path / "out" / "summary.json").is_file()
 
 
+
+def _compiling_compare_job(tmp_path, depth: int) -> list:
+    """``compare`` (plain and mgr-competitive) with ``trainer.strategy`` compiling and checkpointing each block (the
+    YAML of issue 54: a causal MLP-mixer of ``depth`` blocks), validation every 3 steps, the diagnostics every 2, the
+    final ablation; dynamo's recompile limit raises. :class:`compare_toy.GraphsPerRun`'s counts, per run."""
+    import yaml
+
+    from compare_toy import GraphsPerRun
+    from lightning_resctl.compare import cli
+
+    config = {"model": {"class_path": "compare_toy.MixerLM", "init_args": {"dim": 16, "depth": depth}},
+              "data": {"class_path": "compare_toy.ToyData", "init_args": {"train_size": 48}},
+              "trainer": {"max_steps": 6, "val_check_interval": 3, "check_val_every_n_epoch": None,
+                          "limit_val_batches": 1, "accelerator": "cpu", "devices": 1,
+                          "callbacks": [{"class_path": "compare_toy.GraphsPerRun"}],
+                          "strategy": {"class_path": "lightning_resctl.ResidualParallelStrategy",
+                                       "init_args": {"activation_checkpointing": "blocks",
+                                                     "compile": {"backend": "resctl_counting"}}}},
+              "compare": {"methods": ["plain", "mgr-competitive"], "seeds": 1, "cost_rounds": 1, "cost_warmup": 1,
+                          "diagnostics_every_n_steps": 2, "threads": 1, "depth_images": False,
+                          "progress_bar": False, "checkpoint_every_min": 0}}
+    path = tmp_path / f"job{depth}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    GraphsPerRun.runs.clear()
+    with pytest.MonkeyPatch.context() as mp, torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        mp.setenv("LIGHTNING_RESCTL_COMPILE", "0")
+        assert cli.main(["--config", str(path), "--out", str(tmp_path / f"out{depth}")]) == 0
+    assert len(GraphsPerRun.runs) == 2, GraphsPerRun.runs
+    return [dict(run) for run in GraphsPerRun.runs]
+
+
+def test_a_compare_job_under_the_compiling_strategy_compiles_its_graphs_once(one_rank, tmp_path):
+    """No run of the job reaches dynamo's recompile limit (it raises here: the issue's run did, at the block's
+    forward), every graph is compiled by the first validation — the steps after it (logging steps, whose diagnostics
+    observe the merges; the next validation; the final ablation) reuse the graphs or run eagerly — and a run compiles
+    the same number of graphs at 4 blocks and at 6 (a constant per kind of block, not one per block)."""
+    at = {depth: _compiling_compare_job(tmp_path, depth) for depth in (4, 6)}
+    for depth, runs in at.items():
+        for method, run in zip(("plain", "mgr-competitive"), runs):
+            assert 0 < run["validation at 3"] == run["end"], (depth, method, run)
+    assert [run["end"] for run in at[4]] == [run["end"] for run in at[6]], at
+
 class ParallelizesItself(strategy_script.GPT):
     def configure_model(self):
         from torch.distributed.fsdp import fully_shard

@@ -137,6 +137,9 @@ def train_run(method: str, seed: int, reference: L.LightningModule, datamodule: 
     trainer = L.Trainer(**kwargs)
     if on_trainer is not None:
         on_trainer(trainer)
+    # dynamo's code cache holds at most recompile_limit graphs per function, over the whole process: the graphs of
+    # the previous run's model (another method) never serve this one, and would leave this run's past the limit
+    torch.compiler.reset()
     started = time.perf_counter()
     trainer.fit(model, datamodule=datamodule, ckpt_path=str(ckpt) if resume else None)
     wall = time.perf_counter() - started

@@ -79,7 +79,9 @@ def ablate(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[nn.Modul
     ``loss_increase[d] = L(skip merge d) - L(no skip)``, each ``L`` the mean of ``loss_fn(model, batch)`` over
     ``batches`` (in eval mode, without gradients; the training mode is restored), reduced with ``reduce``
     (default: the mean over the ranks of ``torch.distributed`` when it is initialised — pass the same batches'
-    shards on every rank, and call it on every rank). Costs (merges + 1) x len(batches) forwards.
+    shards on every rank, and call it on every rank). Costs (merges + 1) x len(batches) forwards, run eagerly also
+    where the model or its blocks are compiled (``torch.compiler.set_stance("force_eager")``: no graph per skipped
+    merge).
 
     The model must hold merge sites: patch it first (``patch_residuals(model, method="add")`` leaves the
     outputs unchanged), or pass a model a :class:`ResidualMonitor` observes.
@@ -117,8 +119,8 @@ def ablate(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[nn.Modul
     entries = D_.depth_entries(sites)
     was_training = model.training
     model.eval()
-    try:
-        with torch.no_grad():
+    try:  # eagerly: a skipped update compiled into graphs of its own would fill dynamo's cache (one per merge)
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             base = mean_loss()
             inc = []
             for site, pos in entries:

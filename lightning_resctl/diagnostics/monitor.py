@@ -1,6 +1,7 @@
 """ResidualMonitor: per-depth residual diagnostics for any training loop (Trainer, Fabric, plain PyTorch)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -193,6 +194,7 @@ class ResidualMonitor:
         self._current_step: int | None = None
         self._warned_backward = False
         self._warned_nowhere = False
+        self._eager: contextlib.ExitStack | None = None  # the force_eager stance of an observed step
         self._reset_runtime()
         if model is not None:
             self.attach(model)
@@ -347,9 +349,19 @@ class ResidualMonitor:
         self._param_sums = self._branch.grad_sums()
 
     def _set_observers(self, on: bool) -> None:
+        """Set (or remove) the observers, and run compiled code eagerly while they are set
+        (``torch.compiler.set_stance("force_eager")``, forward and backward of the logging step): an observed merge
+        traced by dynamo would compile graphs of its own, one per kind of block and observer state, until its
+        recompile limit; the logging step runs the same math eagerly and every other step keeps its graphs."""
         fn = self._observe if on else None
         for s in self._sites:
             s.observer = fn
+        if on and self._eager is None:
+            self._eager = contextlib.ExitStack()
+            self._eager.enter_context(torch.compiler.set_stance("force_eager"))
+        elif not on and self._eager is not None:
+            self._eager.close()
+            self._eager = None
 
     def _observe(self, site: Any, stream: torch.Tensor, update: torch.Tensor, streams: torch.Tensor | None) -> None:
         pos = self._position(site)
