@@ -227,6 +227,22 @@ def test_every_rule_resolves_a_backend_as_the_runtime_does(monkeypatch):
             rule.resolved_backend(x)
 
 
+def test_auto_traces_the_math_under_torch_compile_where_it_runs_the_kernels_eagerly(monkeypatch):
+    """On a CUDA tensor where Triton runs, "auto" is the Triton kernels eagerly and the torch path while dynamo
+    traces (a whole-model or per-block ``torch.compile``): the compiler sees the merge math as aten ops and fuses it
+    with its neighbours, where the kernels' ``torch.library`` op would be opaque to it. "triton" asked by name stays
+    the kernels. (A fake CUDA tensor: no GPU needed to read the decision.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(backends, "triton_runs_on", lambda device: True)
+    with FakeTensorMode():
+        x = torch.empty(2, 8, device="cuda")
+    assert backends.resolve_backend("auto", x) == "triton"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert backends.resolve_backend("auto", x) == "torch"
+    assert backends.resolve_backend("auto", None) == "torch"
+    assert backends.resolve_backend("triton", x) == "triton"
+
 def test_rules_take_their_backend_names_from_the_runtime():
     """Written once: the rules' lists are the runtime's tuple, not copies of it."""
     import lightning_resctl.rules.mgr as mgr

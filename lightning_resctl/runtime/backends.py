@@ -2,7 +2,9 @@
 
 Every rule with a fused path accepts the same names (:data:`BACKENDS`):
 
-* ``"auto"``   — the Triton kernels for CUDA tensors when Triton works, else the torch path;
+* ``"auto"``   — the Triton kernels for CUDA tensors when Triton works, else the torch path; while dynamo traces
+  (``torch.compile`` of the model or of its blocks) the torch path, which the compiler fuses with its neighbours
+  (the kernels' ``torch.library`` ops are opaque to it);
 * ``"torch"``  — the torch path (fused torch ops with a closed-form backward; under a whole-model
   ``torch.compile`` the compiler traces them; under a training-mode ``torch.export``, the rule's oracle:
   :func:`exporting_for_training`);
@@ -58,10 +60,13 @@ def resolve_backend(backend: str, tensor: Optional[torch.Tensor], *, triton_fits
 
     * ``"auto"`` -> ``"triton"`` for a CUDA tensor when Triton runs on CUDA here and ``triton_fits`` (the rule's
       kernels serve this call, e.g. MGR's up to 8 streams), else ``"torch"``; without a tensor, the same for a
-      CUDA tensor when a CUDA device is present (a model on the GPU);
+      CUDA tensor when a CUDA device is present (a model on the GPU); ``"torch"`` while dynamo traces (its math
+      traced into the compiled graph, not an opaque kernel op);
     * ``"triton"`` on a tensor whose device Triton cannot run on: ValueError naming the device;
     * any other name as it is (``"torch"``, ``"torch-eager"``, ``"torch-compiled"``, a rule's ``"reference"``)."""
     if backend == "auto":
+        if torch.compiler.is_compiling():
+            return "torch"
         on_cuda = torch.cuda.is_available() if tensor is None else tensor.is_cuda
         return "triton" if (on_cuda and triton_fits and triton_runs_on("cuda")) else "torch"
     if backend == "triton" and tensor is not None and not triton_runs_on(tensor.device.type):
