@@ -95,3 +95,33 @@ def test_what_the_partitioner_saves_stays_within_the_goal(method, monkeypatch):
     plain = _compile_and_compare(None, "out-of-place")[-1].saved_bytes()
     patched = _compile_and_compare(method, "out-of-place")[-1].saved_bytes()
     assert plain > 0 and patched <= 1.2 * plain, patched / plain
+
+
+@pytest.mark.parametrize("method", ["rescontroller", "mgr-competitive", "attnres-block", "hc"])
+def test_twenty_steps_with_validation_between_compile_no_graph_after_the_first(method, monkeypatch):
+    """What ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) needs of a patched model, the part a CPU can
+    prove: no guard of the compiled model reads a Python value that changes from step to step (the chains'
+    bookkeeping), so that after its first training step and its first validation the model replays the graphs it
+    has: 20 AdamW steps with a no-grad eval pass every 5 compile nothing more, whole model, ``fullgraph=True``."""
+    import torch._dynamo.testing
+
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x, loss_fn = _gpt()
+    patch_residuals(model, method=method)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    graphs = []
+    for step in range(20):
+        model.train()
+        loss_fn(compiled, torch.randint(0, 32, (3, 8))).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 5 == 4:
+            model.eval()
+            with torch.no_grad():
+                loss_fn(compiled, x)
+        graphs.append(counter.frame_count)
+    assert graphs[4] == graphs[-1] <= 2, graphs  # a training graph and an eval graph, then none
