@@ -97,6 +97,30 @@ def test_what_the_partitioner_saves_stays_within_the_goal(method, monkeypatch):
     assert plain > 0 and patched <= 1.2 * plain, patched / plain
 
 
+@pytest.mark.parametrize("method", ["hc", "mhc-lite"])
+def test_the_frame_rules_compiled_keep_one_stream_tensor_per_recompute_group(method, monkeypatch):
+    """What a whole-model compile of a hyper-connection rule saves for its backward: no merge keeps its n streams
+    (the first merge of each group of ``recompute_every`` does; the others, and every merge's coefficient math,
+    are recomputed in the backward), so the saved activations stay within 1.25x plain's (2.05x / 2.08x with every
+    merge's streams and norms kept) on a 4-layer nanoGPT (8 merges, C=64). (Its gradients: the test above.)"""
+    monkeypatch.setenv(COMPILE_ENV, "0")
+
+    def saved(method):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = NanoGPT(vocab_size=32, block_size=32, n_layer=4, n_head=2, n_embd=64)
+        if method is not None:
+            patch_residuals(model, method=method)
+        capture = GraphCapture()
+        gpt_loss(torch.compile(model, backend=capture, fullgraph=True), torch.randint(0, 32, (4, 32))).backward()
+        return capture
+
+    plain, patched = saved(None), saved(method)
+    streams = [t for t in patched.saved() if tuple(t.shape[-2:]) == (4, 64)]
+    assert len(streams) <= 8 // 4, [tuple(t.shape) for t in streams]
+    assert patched.saved_bytes() <= 1.25 * plain.saved_bytes(), patched.saved_bytes() / plain.saved_bytes()
+
+
 @pytest.mark.parametrize("method", ["rescontroller", "mgr-competitive", "attnres-block", "hc"])
 def test_twenty_steps_with_validation_between_compile_no_graph_after_the_first(method, monkeypatch):
     """What ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) needs of a patched model, the part a CPU can

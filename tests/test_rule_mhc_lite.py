@@ -153,11 +153,13 @@ def test_coefficients_formula_written_out():
         want)
 
 
-@pytest.mark.parametrize("init", ["paper", "residual"])
-def test_runtime_matches_the_oracle_with_gradients(init):
+@pytest.mark.parametrize("init,every", [("paper", 4), ("residual", 3)])
+def test_runtime_matches_the_oracle_with_gradients(init, every):
+    """The chain (streams recomputed in the backward from each group's first: ``recompute_every``) against plain
+    autograd over the formulas, fp64, outputs and gradients."""
     g = torch.Generator().manual_seed(5)
     K, C, n = 4, 6, 3
-    rule = make_rule("mhc-lite", {"streams": n, "init": init})
+    rule = make_rule("mhc-lite", {"streams": n, "init": init, "recompute_every": every})
     chain = _randomize(rule.build_chain(C, K).to(D), std=0.3, seed=5)
     ws = [torch.randn(C, C, generator=g, dtype=D) / C ** 0.5 for _ in range(K)]
     branches = [lambda h, w=w: torch.tanh(h @ w) for w in ws]

@@ -18,17 +18,19 @@ sees ``h_{next_k}``, computed with merge ``next_k``'s parameters from the new st
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from ..runtime.autograd import autocast_off, fp32_bmm
+from ..runtime.autograd import autocast_off
 from .base import ChainPosition, ChainRule
 from .checks import check_choice, check_eps, check_int
 from .common import compute_dtype
+from .frame_step import FrameState, Reader, frame_step, mix_streams, replays
 
-__all__ = ["FrameState", "FrameChain", "FramePosition", "FrameRule", "frame_read", "frame_write", "frame_reduce",
+__all__ = ["FrameState", "FrameChain", "FrameLayer", "RECOMPUTE_EVERY", "FramePosition", "FrameRule", "frame_read",
+           "frame_write", "frame_reduce",
            "frame_step_reference", "frame_chain_reference", "gated_pre_post", "pm_one", "check_frame_options",
            "REDUCES"]
 
@@ -67,13 +69,13 @@ def frame_read(pre: Tensor, streams: Tensor) -> Tensor:
 def frame_write(streams: Tensor, res: Tensor, post: Tensor, u: Optional[Tensor]) -> Tensor:
     """``S'[t] = post[t] u + sum_s res[t, s] S[s]`` in the coefficients' dtype, returned in the streams' dtype.
 
-    One batched ``(n, n) @ (n, C)`` product per token (:func:`~lightning_resctl.runtime.autograd.fp32_bmm`: in the
-    coefficients' dtype also under autocast) and one multiply-add of ``u``: autograd saves ``S`` (in that dtype),
-    ``u`` and the coefficients, never an (n, n, C) product; with ``res = I``, ``post = 1`` the result is bitwise
-    ``S[t] + u`` (a product with the identity is exact: one rounding, as the plain residual)."""
+    n multiply-adds of broadcast rows (:func:`~.frame_step.mix_streams`: one fused kernel under a compiler, no batched
+    n x n matmul) and one of ``u``, in the coefficients' dtype (autocast does not reach elementwise math): autograd
+    saves ``S`` (in that dtype), ``u`` and the coefficients, never an (n, n, C) product; with ``res = I``,
+    ``post = 1`` the result is bitwise ``S[t] + u`` (a product with the identity is exact: one rounding, as the plain
+    residual)."""
     cd = res.dtype
-    s = streams.to(cd)
-    acc = fp32_bmm(res.expand(*s.shape[:-2], *res.shape[-2:]), s)
+    acc = mix_streams(res, streams)
     if u is not None:
         acc = torch.addcmul(acc, post.unsqueeze(-1), u.to(cd).unsqueeze(-2))
     return acc.to(streams.dtype)
@@ -124,17 +126,21 @@ def frame_chain_reference(layers, x: Tensor, branches, reduce: str = "sum") -> t
 
 
 # ---------------------------------------------------------------------------------------------- chain + rule
-class FrameState(NamedTuple):
-    """The chain state between merges: the streams, and the ``res``/``post`` of the merge that reads the state next
-    (computed when its branch input was read; None: not computed yet)."""
+class FrameLayer(nn.Module):
+    """One layer's parameters of a frame rule: subclasses implement ``coefficients(S) -> (pre, res, post)`` and
+    ``reset_parameters()``; ``forward`` is ``coefficients`` (what the recomputing step calls through
+    ``torch.func.functional_call``)."""
 
-    streams: Tensor
-    res: Optional[Tensor]
-    post: Optional[Tensor]
+    def coefficients(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        raise NotImplementedError
+
+    def forward(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.coefficients(streams)
 
 
 class FrameChain(nn.Module):
-    """One chain of a frame rule: ``merges[j]`` holds layer j's parameters and computes its coefficients."""
+    """One chain of a frame rule: ``merges[j]`` (a :class:`FrameLayer`) holds layer j's parameters and computes its
+    coefficients."""
 
     def __init__(self, dim: int, num_merges: int, streams: int, reduce: str, merges: list):
         super().__init__()
@@ -164,35 +170,50 @@ class FramePosition(ChainPosition):
         super().__init__(rule, chain, k, next_k)
         self.__dict__["layer"] = chain.merges[k]
         self.__dict__["reader"] = None if self.output else chain.merges[next_k]
+        self.__dict__["write_fn"] = Reader(chain.merges[k])
+        self.__dict__["read_fn"] = None if self.output else Reader(chain.merges[next_k])
         self.reduce = chain.reduce
 
     def step(self, state, u):
+        if replays():  # one Function, saving u and the coefficients, the streams recomputed (frame_step.py)
+            return frame_step(state, u, self.write_fn, self.read_fn, self.reduce)
         res, post = state.res, state.post
         if res is None:
             _, res, post = self.layer.coefficients(state.streams)
-        return self._read(frame_write(state.streams, res, post, u))
+        return self._read(frame_write(state.streams, res, post, u), state.every)
 
     def skip(self, state):
-        return self._read(state.streams)
+        return self._read(state.streams, state.every)
 
-    def _read(self, streams):
+    def _read(self, streams, every):
         if self.reader is None:
-            return FrameState(streams, None, None), frame_reduce(streams, self.reduce)
+            return FrameState(streams, None, None, every=every), frame_reduce(streams, self.reduce)
         pre, res, post = self.reader.coefficients(streams)
-        return FrameState(streams, res, post), frame_read(pre, streams)
+        return FrameState(streams, res, post, every=every), frame_read(pre, streams)
+
+
+#: Merges per recompute group (``recompute_every``): the streams entering a group's first merge are kept for the
+#: backward, the group's other streams recomputed from them (frame_step.py; 4 is DeepSeek's sqrt(nL / (n + 2)) for
+#: n = 4 streams and L = 24 merges). Ours.
+RECOMPUTE_EVERY = 4
 
 
 def check_frame_options(config) -> None:
-    """The options every frame rule has: ``streams`` (an int >= 1), ``reduce``, ``eps`` (its configs call this)."""
+    """The options every frame rule has: ``streams`` (an int >= 1), ``reduce``, ``eps``, ``recompute_every`` (an
+    int >= 1) (its configs call this)."""
     check_int("streams", config.streams, 1)
     check_choice("reduce", config.reduce, REDUCES)
     check_eps("eps", config.eps)
+    check_int("recompute_every", config.recompute_every, 1)
 
 
 class FrameRule(ChainRule):
     """Chain-rule runtime of the pre/res/post frame. Subclasses set ``Config`` (with ``streams``, ``reduce``,
-    ``eps``; its ``validate()`` calls :func:`check_frame_options`) and implement :meth:`build_layer`; the
-    coefficient modules implement ``coefficients(S)``."""
+    ``eps``, ``recompute_every``; its ``validate()`` calls :func:`check_frame_options`) and implement
+    :meth:`build_layer`, which returns a :class:`FrameLayer` (its ``coefficients(S)``)."""
+
+    #: how the streams are kept for the backward, not what the merges compute: any value loads a checkpoint
+    execution_options = ("recompute_every",)
 
     def summary(self):
         return f"n={self.config.streams}"
@@ -207,7 +228,14 @@ class FrameRule(ChainRule):
     # ---- runtime
     def start(self, chain, x):
         n = chain.streams
-        return FrameState(x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]), None, None)
+        return FrameState(x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]), None, None,
+                          every=self.config.recompute_every)
+
+    def start_apart(self, chain, x):
+        """:meth:`start` for merges compiled a block at a time: every merge keeps its own streams (a recompute
+        group's tape would give the state entering a block another structure per position in its group: a graph
+        each)."""
+        return self.start(chain, x)._replace(every=1)
 
     def position(self, chain, k, next_k):
         return FramePosition(self, chain, k, next_k)

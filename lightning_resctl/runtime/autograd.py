@@ -21,7 +21,8 @@ import contextlib
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["autocast_off", "fp32_matmul", "fp32_bmm", "refuse_transforms", "refuse_second_derivative"]
+__all__ = ["autocast_off", "fp32_matmul", "fp32_bmm", "refuse_transforms", "refuse_second_derivative",
+           "traced_under_saved_tensor_hooks"]
 
 
 def autocast_off(device_type: str):
@@ -171,3 +172,16 @@ def refuse_second_derivative(what: str, oracle: str) -> None:
         raise RuntimeError(
             f"{what}: its closed-form backward is not differentiable, so a second derivative (a backward with "
             f"create_graph=True) is not available; {oracle} (plain autograd) has one")
+
+
+
+@torch.compiler.assume_constant_result
+def traced_under_saved_tensor_hooks() -> bool:
+    """While dynamo traces: whether saved-tensor hooks other than the observing ones (marked ``_mgr_transparent``)
+    were active when the trace started (a block compiled on its own inside an eager ``torch.utils.checkpoint``, or
+    offloading), or a backward pass runs. A constant of the graph (the block is traced inside the checkpoint it
+    runs in). Dynamo cannot trace a ``torch.func`` transform in a Function's backward there."""
+    if torch._C._current_graph_task_id() != -1:
+        return True
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and not getattr(hooks[0], "_mgr_transparent", False)

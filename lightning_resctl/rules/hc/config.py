@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from ..checks import check_bool, check_choice, check_eps, check_int
 from ..common import RMS_EPS
-from ..frame import check_frame_options
+from ..frame import RECOMPUTE_EVERY, check_frame_options
 
 __all__ = ["HCConfig", "MHCConfig", "SINKHORNS", "INITS"]
 
@@ -21,12 +21,16 @@ class HCConfig:
     dynamic: True = DHC (tanh term), False = static HC (only ``hc_static``).
     reduce: chain output ``"sum"`` over streams (paper, lucidrains) or ``"mean"``.
     eps: RMSNorm epsilon of the per-stream norm (>= 0).
+    recompute_every: merges per recompute group (>= 1; how the streams are kept for the backward, not the math):
+      the streams entering each group's first merge are kept, the others recomputed from them (1: every merge
+      keeps its own).
     """
 
     streams: int = 4
     dynamic: bool = True
     reduce: str = "sum"
     eps: float = RMS_EPS
+    recompute_every: int = RECOMPUTE_EVERY
 
     def validate(self) -> "HCConfig":
         """Raise ValueError/TypeError naming the option and the value; returns self."""
@@ -45,6 +49,9 @@ class MHCConfig:
     sinkhorn_iters: t_max >= 1 (20).
     reduce: ``"sum"`` or ``"mean"``.
     eps: RMSNorm epsilon over n*C (>= 0). hc_eps: the dsv4 variant's eps (>= 0).
+    recompute_every: merges per recompute group (>= 1; how the streams are kept for the backward, not the math):
+      the streams entering each group's first merge are kept, the others recomputed from them (1: every merge
+      keeps its own).
     """
 
     streams: int = 4
@@ -54,6 +61,7 @@ class MHCConfig:
     reduce: str = "sum"
     eps: float = RMS_EPS
     hc_eps: float = RMS_EPS
+    recompute_every: int = RECOMPUTE_EVERY
 
     def validate(self) -> "MHCConfig":
         """Raise ValueError/TypeError naming the option and the value; returns self."""

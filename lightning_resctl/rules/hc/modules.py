@@ -4,14 +4,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..frame import pm_one
+from ..frame import FrameLayer, pm_one
 from .config import HCConfig, MHCConfig
 from .reference import hc_coefficients_reference, mhc_coefficients_reference
 
 __all__ = ["HCLayer", "MHCLayer"]
 
 
-class HCLayer(nn.Module):
+class HCLayer(FrameLayer):
     """Layer ``index``'s HC parameters. Init (paper's static init = Pre-Norm; lucidrains): ``hc_static`` row s =
     ``[delta(s, index mod n) | e_s | 1]``, ``hc_dyn = 0``, ``hc_scale = [0.01, 0.01]``, ``hc_norm_gain = 0``."""
 
@@ -51,7 +51,7 @@ class HCLayer(nn.Module):
         return f"index={self.index}, dim={self.dim}, streams={self.streams}, dynamic={self.dynamic}"
 
 
-class MHCLayer(nn.Module):
+class MHCLayer(FrameLayer):
     """Layer ``index``'s mHC parameters. Init: ``mhc_phi = 0``; ``mhc_alpha = 0.01`` each; ``mhc_bias``:
     b_pre = +1 at stream ``index mod n``, -1 elsewhere; b_post the same (``init="residual"``: 0); b_res = 0 on
     the diagonal, -8 off it."""

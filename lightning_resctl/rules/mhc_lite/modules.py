@@ -6,14 +6,14 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..frame import pm_one
+from ..frame import FrameLayer, pm_one
 from .config import MAX_STREAMS, MHCLiteConfig
 from .reference import mhc_lite_coefficients_reference, permutation_matrices
 
 __all__ = ["MHCLiteLayer"]
 
 
-class MHCLiteLayer(nn.Module):
+class MHCLiteLayer(FrameLayer):
     """Layer ``index``'s mHC-lite parameters. Init (official code): ``mhcl_phi = 0``, ``mhcl_alpha = 0.01``
     each, ``mhcl_norm_gain = 0``; ``mhcl_bias``: b_pre = +1 at stream ``index mod n``, -1 elsewhere; b_post the
     same (``init="residual"``: 0); b_res = 0 for the identity permutation, -8 for the others."""
