@@ -1,0 +1,100 @@
+"""LAuReL nn.Modules: :class:`LaurelMerge` (one merge's parameters and its merge; formula: :mod:`.reference`) and
+:class:`LaurelChain` (``laurel-pa``: one chain's merges)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .config import LaurelConfig, LaurelPAConfig
+from .reference import laurel_reference, orthogonal_down_init, rw_weights_reference
+
+__all__ = ["LaurelMerge", "LaurelChain"]
+
+
+class LaurelMerge(nn.Module):
+    """One LAuReL merge of width ``width`` (``dim``: the stream's feature dim, -1 or 1 for channels-first).
+
+    Parameters (as the variant has them): ``laurel_rw`` ``(2,)`` or ``(2, C)`` (the RW logits a, b: zeros);
+    ``laurel_down`` ``(P, r, C)`` (A: column-orthogonal or Xavier) and ``laurel_up`` ``(P, C, r)`` (B: zeros), with
+    P = 1, or the PA history k (a pair per previous activation); ``laurel_norm_weight`` ``(P, C)`` (lr_norm: ones);
+    ``laurel_gamma`` ``(k,)`` (PA: zeros for the identity h, ones for low-rank h). The options come whole as
+    ``config`` (:class:`~.config.LaurelConfig` or :class:`~.config.LaurelPAConfig`)."""
+
+    def __init__(self, width: int, config: LaurelConfig, dim: int = -1):
+        super().__init__()
+        config.validate()
+        self.width, self.dim, self.config = int(width), int(dim), config
+        parts = set(config.variant.split("+"))
+        self.rw, self.lr, self.pa = "rw" in parts, "lr" in parts, "pa" in parts
+        self.history = config.history if self.pa else 1
+        C, r, P = self.width, config.rank, self.history
+        if self.rw:
+            self.laurel_rw = nn.Parameter(torch.empty((2, C) if config.rw_per_dim else (2,)))
+        if self.lr:
+            self.laurel_down = nn.Parameter(torch.empty(P, r, C))
+            self.laurel_up = nn.Parameter(torch.empty(P, C, r))
+            if config.lr_norm:
+                self.laurel_norm_weight = nn.Parameter(torch.empty(P, C))
+        if self.pa:
+            self.laurel_gamma = nn.Parameter(torch.empty(P))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if self.rw:
+            self.laurel_rw.zero_()
+        if self.lr:
+            down = self.laurel_down
+            for j in range(down.shape[0]):
+                if self.config.lr_init == "orthogonal":
+                    down[j].copy_(orthogonal_down_init(down.shape[1], down.shape[2], down.dtype, down.device))
+                else:
+                    nn.init.xavier_uniform_(down[j])
+            self.laurel_up.zero_()
+            if self.config.lr_norm:
+                self.laurel_norm_weight.fill_(1.0)
+        if self.pa:
+            self.laurel_gamma.fill_(1.0 if self.lr else 0.0)
+
+    def weights(self) -> tuple[Tensor, Tensor]:
+        """``(alpha, beta)`` (1, 1 without RW)."""
+        if not self.rw:
+            one = torch.ones((), dtype=torch.float32)
+            return one, one
+        return rw_weights_reference(self.laurel_rw, self.config.rw_norm)
+
+    def forward(self, stream: Tensor, update: Tensor, earlier: Sequence[Tensor] = ()) -> Tensor:
+        """``x_{i+1}`` from the stream ``x_i``, the update and (PA) the earlier streams ``(x_{i-1}, ..)``."""
+        moved = self.dim not in (-1, stream.dim() - 1)
+        if moved:
+            stream, update = stream.movedim(self.dim, -1), update.movedim(self.dim, -1)
+            earlier = [h.movedim(self.dim, -1) for h in earlier]
+        out = laurel_reference(
+            stream, update, rw=self.laurel_rw if self.rw else None, rw_norm=self.config.rw_norm,
+            down=self.laurel_down if self.lr else None, up=self.laurel_up if self.lr else None,
+            norm_weight=self.laurel_norm_weight if self.lr and self.config.lr_norm else None,
+            gamma=self.laurel_gamma if self.pa else None, earlier=earlier, eps=self.config.eps)
+        return out.movedim(-1, self.dim) if moved else out
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"width={self.width}, variant={c.variant!r}, rank={c.rank}"
+                + (f", history={self.history}" if self.pa else "") + f", rw_norm={c.rw_norm!r}")
+
+
+class LaurelChain(nn.Module):
+    """``laurel-pa``'s chain: ``merges[i]`` (:class:`LaurelMerge`) of each of its ``num_merges`` merges."""
+
+    def __init__(self, dim: int, num_merges: int, config: LaurelPAConfig):
+        super().__init__()
+        self.dim, self.num_merges, self.history = int(dim), int(num_merges), config.history
+        self.merges = nn.ModuleList(LaurelMerge(dim, config) for _ in range(num_merges))
+
+    def reset_parameters(self) -> None:
+        for m in self.merges:
+            m.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_merges={self.num_merges}, history={self.history}"
