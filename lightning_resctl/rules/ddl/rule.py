@@ -2,7 +2,10 @@
 formula: :mod:`.reference`)."""
 from __future__ import annotations
 
+import itertools
+
 from ..base import MergeRule, register_merge_rule
+from ..common import init_seed
 from .config import DDLConfig
 from .modules import DDLMerge
 
@@ -20,8 +23,12 @@ class DDLRule(MergeRule):
     def summary(self):
         return f"value={self.config.value}, beta_init={self.config.beta_init}"
 
+    def __init__(self, name, config):
+        super().__init__(name, config)
+        self._built = itertools.count()  # the merges built so far: each one's init seed
+
     def build_merge_sized(self, dim, width):
-        return DDLMerge(width, self.config, dim=dim)
+        return DDLMerge(width, self.config, dim=dim, seed=init_seed(next(self._built)))
 
     def merge(self, module, stream, update, inplace):
         return module(stream, update)

@@ -23,21 +23,44 @@ from torch import Tensor
 from ..common import compute_dtype
 from .reference import dwa_sources
 
-__all__ = ["DWAState", "dwa_start", "dwa_advance", "depth_average"]
+__all__ = ["DWAState", "dwa_start", "dwa_advance", "depth_average", "check_unwritten"]
 
 
 class DWAState(NamedTuple):
     """The chain state between merges: the stream inside the current block (the last average ``Y``, plus this
-    block's updates so far) and the history ``(X_0, .., X_b)`` of the b blocks completed (None where no later average
-    reads the output)."""
+    block's updates so far), the history ``(X_0, .., X_b)`` of the b blocks completed (None where no later average
+    reads the output) and, in eager code, each kept output's version counter when it was recorded (the model holds
+    some of them: :func:`check_unwritten`)."""
 
     stream: Tensor
     history: tuple
+    versions: tuple = ()
+
+
+def _version(t: Optional[Tensor]) -> int:
+    """``t``'s version counter; -1 where there is none to read (None, a compiled graph, an inference tensor)."""
+    return -1 if t is None or torch.compiler.is_compiling() or t.is_inference() else t._version
+
+
+def check_unwritten(history: tuple, versions: tuple, sources: Sequence[int]) -> None:
+    """Raise when the model wrote in place into a recorded block output an average is about to read (a stream
+    written in place, ``x += f(x)``, after a block whose output DWA keeps: the chain input, or a block no average
+    follows): the average would read the new values. Eager code only (a compiled graph has no version counters)."""
+    if not versions or torch.compiler.is_compiling():
+        return
+    for j in sources:
+        if versions[j] != -1 and history[j]._version != versions[j]:  # (-1: recorded in a compiled graph)
+            raise RuntimeError(
+                f"method='dwa': the model wrote in place into the output of block {j} "
+                f"({'the chain input' if j == 0 else 'a block without an average after it'}) after DWA recorded it, "
+                "and a later average reads it: write that residual addition out of place (x = x + f(x), not "
+                "x += f(x)); DWA keeps the block outputs, not copies")
 
 
 def dwa_start(chain, x: Tensor) -> DWAState:
     """The state entering the first merge: ``X_0 = x``, the chain input."""
-    return DWAState(x, (x if 0 in chain.kept else None,))
+    kept = x if 0 in chain.kept else None
+    return DWAState(x, (kept,), () if torch.compiler.is_compiling() or x.is_inference() else (_version(kept),))
 
 
 def dwa_advance(chain, k: int, next_k: int, state: DWAState, u: Optional[Tensor]) -> DWAState:
@@ -45,13 +68,17 @@ def dwa_advance(chain, k: int, next_k: int, state: DWAState, u: Optional[Tensor]
     the plain residual adds it; a block ending at a merge in ``k .. next_k - 1`` records its output (a block whose
     merges all did not run outputs its input) and, where an average follows it, the stream becomes that average."""
     h = state.stream if u is None else state.stream + u
-    history = state.history
+    history, versions = state.history, state.versions
     for i in chain.blocks_ending(k, next_k):
-        history = history + (h if i in chain.kept else None,)
+        kept = h if i in chain.kept else None
+        history = history + (kept,)
+        versions = versions + (_version(kept),) if versions else versions
         weights = chain.weights(i)
         if weights is not None:
-            h = depth_average(weights, [history[j] for j in dwa_sources(i, chain.dilation)])
-    return DWAState(h, history)
+            sources = dwa_sources(i, chain.dilation)
+            check_unwritten(history, versions, sources)
+            h = depth_average(weights, [history[j] for j in sources])
+    return DWAState(h, history, versions)
 
 
 def depth_average(alpha: Tensor, sources: Sequence[Tensor]) -> Tensor:

@@ -48,13 +48,13 @@ class DWARule(ChainRule):
 
     def step(self, chain, k, state, u, next_k):
         state = dwa_advance(chain, k, next_k, state, u)
-        return state, state.stream
+        return state, state.stream.view_as(state.stream)  # (a tensor the state does not hold: see LaurelPARule)
 
     def skip(self, chain, k, state, next_k):
         """Ablation *(choice)*: the update is dropped; a block ending here still records its output (the stream
         without this update) and its average runs."""
         state = dwa_advance(chain, k, next_k, state, None)
-        return state, state.stream
+        return state, state.stream.view_as(state.stream)
 
     def merge_module(self, site, position):
         """The weights of the average merge ``position`` ends with (None: it ends none)."""

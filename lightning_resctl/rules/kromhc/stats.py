@@ -1,7 +1,7 @@
 """KromHC's diagnostics: the frame's (:class:`~..stats.FrameStats` with prefix ``kromhc``: ``kromhc_res_identity_dist
 (D,)``, ``kromhc_ds_error (D,)`` — 0 up to rounding —, ``kromhc_pre_mean (D, n)``, ``kromhc_post_mean (D, n)``) and
 ``kromhc_factor_identity_dist (D, K)``: the mean Frobenius distance ``||U_k - I||`` of each 2x2 factor
-(``sqrt(2) (1 - p_k)``; 4.7e-4 at init)."""
+(``2 (1 - p_k)``; 6.7e-4 at init)."""
 from __future__ import annotations
 
 import torch

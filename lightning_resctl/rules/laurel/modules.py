@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
+from ..common import init_generator
 from .config import LaurelConfig, LaurelPAConfig
 from .reference import laurel_reference, orthogonal_down_init, rw_weights_reference
 
@@ -19,13 +20,14 @@ class LaurelMerge(nn.Module):
     Parameters (as the variant has them): ``laurel_rw`` ``(2,)`` or ``(2, C)`` (the RW logits a, b: zeros);
     ``laurel_down`` ``(P, r, C)`` (A: column-orthogonal or Xavier) and ``laurel_up`` ``(P, C, r)`` (B: zeros), with
     P = 1, or the PA history k (a pair per previous activation); ``laurel_norm_weight`` ``(P, C)`` (lr_norm: ones);
-    ``laurel_gamma`` ``(k,)`` (PA: zeros for the identity h, ones for low-rank h). The options come whole as
-    ``config`` (:class:`~.config.LaurelConfig` or :class:`~.config.LaurelPAConfig`)."""
+    ``laurel_gamma`` ``(k,)`` (PA: zeros for the identity h, ones for low-rank h). Xavier draws from a generator of
+    its own seeded with ``seed`` (the rule's: :func:`~..common.init_seed`; the global RNG is not touched). The
+    options come whole as ``config`` (:class:`~.config.LaurelConfig` or :class:`~.config.LaurelPAConfig`)."""
 
-    def __init__(self, width: int, config: LaurelConfig, dim: int = -1):
+    def __init__(self, width: int, config: LaurelConfig, dim: int = -1, seed: int = 0):
         super().__init__()
         config.validate()
-        self.width, self.dim, self.config = int(width), int(dim), config
+        self.width, self.dim, self.config, self.seed = int(width), int(dim), config, int(seed)
         parts = set(config.variant.split("+"))
         self.rw, self.lr, self.pa = "rw" in parts, "lr" in parts, "pa" in parts
         self.history = config.history if self.pa else 1
@@ -47,11 +49,14 @@ class LaurelMerge(nn.Module):
             self.laurel_rw.zero_()
         if self.lr:
             down = self.laurel_down
-            for j in range(down.shape[0]):
+            g = init_generator(self.seed)
+            P, r, C = down.shape
+            for j in range(P):
                 if self.config.lr_init == "orthogonal":
-                    down[j].copy_(orthogonal_down_init(down.shape[1], down.shape[2], down.dtype, down.device))
-                else:
-                    nn.init.xavier_uniform_(down[j])
+                    down[j].copy_(orthogonal_down_init(r, C, down.dtype, down.device))
+                else:  # Xavier uniform: U(+-sqrt(6 / (fan_in + fan_out)))
+                    bound = (6.0 / (r + C)) ** 0.5
+                    down[j].copy_((torch.rand(r, C, generator=g, dtype=torch.float64) * 2 - 1) * bound)
             self.laurel_up.zero_()
             if self.config.lr_norm:
                 self.laurel_norm_weight.fill_(1.0)
@@ -87,10 +92,10 @@ class LaurelMerge(nn.Module):
 class LaurelChain(nn.Module):
     """``laurel-pa``'s chain: ``merges[i]`` (:class:`LaurelMerge`) of each of its ``num_merges`` merges."""
 
-    def __init__(self, dim: int, num_merges: int, config: LaurelPAConfig):
+    def __init__(self, dim: int, num_merges: int, config: LaurelPAConfig, seed: int = 0):
         super().__init__()
         self.dim, self.num_merges, self.history = int(dim), int(num_merges), config.history
-        self.merges = nn.ModuleList(LaurelMerge(dim, config) for _ in range(num_merges))
+        self.merges = nn.ModuleList(LaurelMerge(dim, config, seed=seed + i) for i in range(num_merges))
 
     def reset_parameters(self) -> None:
         for m in self.merges:

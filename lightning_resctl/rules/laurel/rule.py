@@ -2,11 +2,13 @@
 Menghani et al. ICML 2025 (docs/rules/laurel.md; the formula: :mod:`.reference`)."""
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
 
 from ..base import ChainRule, MergeRule, register_merge_rule
+from ..common import init_seed
 from .config import LaurelConfig, LaurelPAConfig
 from .modules import LaurelChain, LaurelMerge
 from .reference import laurel_reference
@@ -17,6 +19,10 @@ __all__ = ["LaurelRule", "LaurelPARule", "LaurelState"]
 class _LaurelDiagnostics:
     """What both rules record: the merge's RW weights, its low-rank matrix's norm, how much its LR / PA term adds
     (from the stream it merges and, PA, the earlier streams) and PA's gammas."""
+
+    def __init__(self, name, config):
+        super().__init__(name, config)
+        self._built = itertools.count()  # the modules built so far: each one's init seed (Xavier)
 
     def make_stats(self, num_depths, model):
         from .stats import LaurelStats  # torchmetrics: imported when diagnostics are asked for
@@ -57,7 +63,7 @@ class LaurelRule(_LaurelDiagnostics, MergeRule):
         return f"{c.variant}" + (f", rank={c.rank}" if "lr" in c.variant else "")
 
     def build_merge_sized(self, dim, width):
-        return LaurelMerge(width, self.config, dim=dim)
+        return LaurelMerge(width, self.config, dim=dim, seed=init_seed(next(self._built)))
 
     def merge(self, module, stream, update, inplace):
         return module(stream, update)
@@ -68,9 +74,22 @@ class LaurelRule(_LaurelDiagnostics, MergeRule):
 
 class LaurelState(NamedTuple):
     """``laurel-pa``'s state between merges: the streams entering the latest merges, newest first (at most the
-    history k: ``(x_i, x_{i-1}, ..)``; ``x_i`` is what the model sees)."""
+    history k: ``(x_i, x_{i-1}, ..)``; ``x_i`` is what the model sees) and, in eager code, their version counters
+    when recorded (the model holds them: a stream it writes in place after the chain recorded it is refused)."""
 
     streams: tuple
+    versions: tuple = ()
+
+
+def _check_unwritten(state: LaurelState) -> None:
+    if not state.versions or torch.compiler.is_compiling():
+        return
+    for j, (s, v) in enumerate(zip(state.streams, state.versions)):
+        if s._version != v:
+            raise RuntimeError(
+                f"method='laurel-pa': the model wrote in place into the stream {j} merge(s) back after the chain "
+                "recorded it, and the next merge reads it as a previous activation: write that residual addition "
+                "out of place (x = x + f(x), not x += f(x)); the chain keeps the streams, not copies")
 
 
 class LaurelPARule(_LaurelDiagnostics, ChainRule):
@@ -87,21 +106,29 @@ class LaurelPARule(_LaurelDiagnostics, ChainRule):
         return f"{c.variant}, history={c.history}" + (f", rank={c.rank}" if "lr" in c.variant else "")
 
     def build_chain(self, dim, num_merges):
-        return LaurelChain(dim, num_merges, self.config)
+        return LaurelChain(dim, num_merges, self.config, seed=init_seed(next(self._built)))
 
     def start(self, chain, x):
-        return LaurelState((x,))
+        return LaurelState((x,), () if torch.compiler.is_compiling() or x.is_inference() else (x._version,))
+
+    def _advance(self, chain, state, out):
+        """The state after a merge that returned ``out``, and what the model gets: a view of ``out`` (the model
+        never holds the state's own tensor, which a checkpointed region's entry for it would keep alive)."""
+        streams = (out, *state.streams[:chain.history - 1])
+        if torch.compiler.is_compiling() or not state.versions or out.is_inference():
+            return LaurelState(streams, ()), out.view_as(out)
+        return LaurelState(streams, (out._version, *state.versions[:chain.history - 1])), out.view_as(out)
 
     def step(self, chain, k, state, u, next_k):
+        _check_unwritten(state)
         x, *earlier = state.streams
         out = chain.merges[k](x, u, earlier)
-        return LaurelState((out, *state.streams[:chain.history - 1])), out
+        return self._advance(chain, state, out)
 
     def skip(self, chain, k, state, next_k):
         """Ablation *(choice)*: the merge is removed, as a per-merge rule's (the stream passes unchanged; it is the
         stream entering the next merge)."""
-        x = state.streams[0]
-        return LaurelState((x, *state.streams[:chain.history - 1])), x
+        return self._advance(chain, state, state.streams[0])
 
     def observe(self, stats, depth, site, position, stream, update, state):
         if isinstance(state, LaurelState):
