@@ -1,17 +1,20 @@
-"""LAuReL nn.Modules: :class:`LaurelMerge` (one merge's parameters and its merge; formula: :mod:`.reference`) and
-:class:`LaurelChain` (``laurel-pa``: one chain's merges)."""
+"""LAuReL nn.Modules: :class:`LaurelMerge` (one merge's parameters and its merge; formula: :mod:`.reference`),
+:class:`LaurelChain` (``laurel-pa``: one chain's merges), its state (:class:`LaurelState`) and the merge a site runs
+(:class:`LaurelPosition`)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from ..base import ChainPosition
 from ..common import init_generator
 from .config import LaurelConfig, LaurelPAConfig
 from .reference import laurel_reference, orthogonal_down_init, rw_weights_reference
 
-__all__ = ["LaurelMerge", "LaurelChain"]
+__all__ = ["LaurelMerge", "LaurelChain", "LaurelState", "LaurelPosition", "laurel_start", "laurel_step",
+           "laurel_skip"]
 
 
 class LaurelMerge(nn.Module):
@@ -103,3 +106,68 @@ class LaurelChain(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_merges={self.num_merges}, history={self.history}"
+
+
+class LaurelState(NamedTuple):
+    """``laurel-pa``'s state between merges: the streams entering the latest merges, newest first (at most the
+    history k: ``(x_i, x_{i-1}, ..)``; ``x_i`` is what the model sees) and, in eager code, their version counters
+    when recorded (the model holds them: a stream it writes in place after the chain recorded it is refused)."""
+
+    streams: tuple
+    versions: tuple = ()
+
+
+def _check_unwritten(state: LaurelState) -> None:
+    if not state.versions or torch.compiler.is_compiling():
+        return
+    for j, (s, v) in enumerate(zip(state.streams, state.versions)):
+        if s._version != v:
+            raise RuntimeError(
+                f"method='laurel-pa': the model wrote in place into the stream {j} merge(s) back after the chain "
+                "recorded it, and the next merge reads it as a previous activation: write that residual addition "
+                "out of place (x = x + f(x), not x += f(x)); the chain keeps the streams, not copies")
+
+
+def laurel_start(x: Tensor) -> LaurelState:
+    """The state entering the chain's first merge: its input, the one stream so far."""
+    return LaurelState((x,), () if torch.compiler.is_compiling() or x.is_inference() else (x._version,))
+
+
+def _advance(history: int, state: LaurelState, out: Tensor) -> tuple:
+    """The state after a merge that returned ``out``, and what the model gets: a view of ``out`` (the model never
+    holds the state's own tensor, which a checkpointed region's entry for it would keep alive)."""
+    streams = (out, *state.streams[:history - 1])
+    if torch.compiler.is_compiling() or not state.versions or out.is_inference():
+        return LaurelState(streams, ()), out.view_as(out)
+    return LaurelState(streams, (out._version, *state.versions[:history - 1])), out.view_as(out)
+
+
+def laurel_step(merge: LaurelMerge, history: int, state: LaurelState, u: Tensor) -> tuple:
+    """Merge ``u`` with ``merge``'s parameters over the state's streams: ``(state', h)``."""
+    _check_unwritten(state)
+    x, *earlier = state.streams
+    return _advance(history, state, merge(x, u, earlier))
+
+
+def laurel_skip(history: int, state: LaurelState) -> tuple:
+    """Ablation *(choice)*: the merge is removed, as a per-merge rule's (the stream passes unchanged; it is the
+    stream entering the next merge)."""
+    return _advance(history, state, state.streams[0])
+
+
+class LaurelPosition(ChainPosition):
+    """Merge ``k`` of a ``laurel-pa`` chain as its site runs it: its merge module and the history k, no position —
+    past the first k - 1 merges (a shorter history) every merge runs the same graph in blocks compiled one by one."""
+
+    shares_graphs = True
+
+    def __init__(self, rule, chain: LaurelChain, k: int, next_k: int):
+        super().__init__(rule, chain, k, next_k)
+        self.__dict__["merge"] = chain.merges[k]
+        self.history = chain.history
+
+    def step(self, state, u):
+        return laurel_step(self.merge, self.history, state, u)
+
+    def skip(self, state):
+        return laurel_skip(self.history, state)

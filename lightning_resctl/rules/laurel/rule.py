@@ -3,17 +3,16 @@ Menghani et al. ICML 2025 (docs/rules/laurel.md; the formula: :mod:`.reference`)
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple
 
 import torch
 
 from ..base import ChainRule, MergeRule, register_merge_rule
 from ..common import init_seed
 from .config import LaurelConfig, LaurelPAConfig
-from .modules import LaurelChain, LaurelMerge
+from .modules import LaurelChain, LaurelMerge, LaurelPosition, LaurelState, laurel_skip, laurel_start, laurel_step
 from .reference import laurel_reference
 
-__all__ = ["LaurelRule", "LaurelPARule", "LaurelState"]
+__all__ = ["LaurelRule", "LaurelPARule"]
 
 
 class _LaurelDiagnostics:
@@ -72,26 +71,6 @@ class LaurelRule(_LaurelDiagnostics, MergeRule):
         self._observe(stats, depth, self.merge_module(site, position), stream, ())
 
 
-class LaurelState(NamedTuple):
-    """``laurel-pa``'s state between merges: the streams entering the latest merges, newest first (at most the
-    history k: ``(x_i, x_{i-1}, ..)``; ``x_i`` is what the model sees) and, in eager code, their version counters
-    when recorded (the model holds them: a stream it writes in place after the chain recorded it is refused)."""
-
-    streams: tuple
-    versions: tuple = ()
-
-
-def _check_unwritten(state: LaurelState) -> None:
-    if not state.versions or torch.compiler.is_compiling():
-        return
-    for j, (s, v) in enumerate(zip(state.streams, state.versions)):
-        if s._version != v:
-            raise RuntimeError(
-                f"method='laurel-pa': the model wrote in place into the stream {j} merge(s) back after the chain "
-                "recorded it, and the next merge reads it as a previous activation: write that residual addition "
-                "out of place (x = x + f(x), not x += f(x)); the chain keeps the streams, not copies")
-
-
 class LaurelPARule(_LaurelDiagnostics, ChainRule):
     """The variants with previous activations: merge i reads the streams entering the k - 1 merges before it too,
     which the chain carries (the merges of one chain, in order)."""
@@ -109,26 +88,17 @@ class LaurelPARule(_LaurelDiagnostics, ChainRule):
         return LaurelChain(dim, num_merges, self.config, seed=init_seed(next(self._built)))
 
     def start(self, chain, x):
-        return LaurelState((x,), () if torch.compiler.is_compiling() or x.is_inference() else (x._version,))
+        return laurel_start(x)
 
-    def _advance(self, chain, state, out):
-        """The state after a merge that returned ``out``, and what the model gets: a view of ``out`` (the model
-        never holds the state's own tensor, which a checkpointed region's entry for it would keep alive)."""
-        streams = (out, *state.streams[:chain.history - 1])
-        if torch.compiler.is_compiling() or not state.versions or out.is_inference():
-            return LaurelState(streams, ()), out.view_as(out)
-        return LaurelState(streams, (out._version, *state.versions[:chain.history - 1])), out.view_as(out)
+    def position(self, chain, k, next_k):
+        return LaurelPosition(self, chain, k, next_k)
 
     def step(self, chain, k, state, u, next_k):
-        _check_unwritten(state)
-        x, *earlier = state.streams
-        out = chain.merges[k](x, u, earlier)
-        return self._advance(chain, state, out)
+        return laurel_step(chain.merges[k], chain.history, state, u)
 
     def skip(self, chain, k, state, next_k):
-        """Ablation *(choice)*: the merge is removed, as a per-merge rule's (the stream passes unchanged; it is the
-        stream entering the next merge)."""
-        return self._advance(chain, state, state.streams[0])
+        """Ablation *(choice)*: the merge is removed, as a per-merge rule's (the stream passes unchanged)."""
+        return laurel_skip(chain.history, state)
 
     def observe(self, stats, depth, site, position, stream, update, state):
         if isinstance(state, LaurelState):
