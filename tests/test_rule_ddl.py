@@ -123,6 +123,11 @@ def test_init_is_seeded_per_merge_and_reset_gives_it_back():
     m.reset_parameters()
     for n, p in m.named_parameters():
         assert torch.equal(p, inits[1][f"{report.new_parameters[0].rsplit('.', 1)[0]}.{n}"]), n
+    with torch.device("meta"):  # meta-device init (FSDP): to_empty, then reset_parameters gives the same draw
+        meta = DDLMerge(64, m.config, seed=m.seed)
+    meta.to_empty(device="cpu")
+    meta.reset_parameters()
+    assert all(torch.equal(a, b) for a, b in zip(meta.parameters(), m.parameters()))
 
 
 def test_stats_are_the_gate_and_the_readout():
