@@ -152,7 +152,7 @@ def main(argv=None) -> None:
     add_step_arguments(p)  # the step benchmarks' shape (--reps / --warmup unused: nothing is timed per step)
     p.add_argument("--device", default="cpu")
     p.add_argument("--rules", default="add,rescontroller,mgr-competitive,mgr-independent,attnres,attnres-block,hc,"
-                                      "mhc,mhc-lite")
+                                      "mhc,mhc-lite,dwa,laurel,laurel-pa,ddl,kromhc")
     p.add_argument("--inductor", action="store_true", help="also compile with inductor: kernels, compile time")
     p.add_argument("--saved-by-shape", type=int, default=0, metavar="N",
                    help="the N groups of saved activations (shape, dtype) with the most bytes beyond plain's")

@@ -100,8 +100,8 @@ def fit(module: GPT, strategy, callbacks=(), distributed_sampler: bool = False, 
         trainer.save_checkpoint(save_to)
     params = {n.replace(WRAPPED, "").removeprefix("model."): p for n, p in module.named_parameters()}
     return {"after": {n: _full(p).detach().clone() for n, p in params.items()},
-            "rule_local": {n: _local(params[n]).detach().clone() for n in _rule_names(module.model)
-                           if n in params},
+            "rule_local": {n: _local(params[n]).detach().clone()
+                           for n in (m.replace(WRAPPED, "") for m in _rule_names(module.model)) if n in params},
             "applied": getattr(strategy, "applied", None), "rank": trainer.global_rank}
 
 

@@ -76,12 +76,12 @@ def _drive(method: str, backend, autocast: bool, compile_with: str | None = None
     us = [(0.5 * torch.randn(3, 5, C)).requires_grad_() for _ in range(K)]
     if rule.kind == "chain":
         module = rule.build_chain(C, K)
-        with torch.no_grad():  # away from the init (zero queries would make every product exact)
-            for p in module.parameters():
-                p.add_(0.5 * torch.randn_like(p))
     else:
-        module = rule.build_merge(-1)
+        module = rule.build_merge_sized(-1, C)  # (what the patch builds: a rule with parameters needs C)
     params = [] if module is None else list(module.parameters())
+    with torch.no_grad():  # away from the init (zero queries would make every product exact)
+        for p in params:
+            p.add_(0.5 * torch.randn_like(p))
 
     def merges(x, *us):
         outs = []

@@ -9,7 +9,9 @@ middle and the last block at 4: a graph per block shows as one more at 5; ``attn
 blocks grows by one per block at S = 2, so dynamo compiles its first middle block for that size and the next for any
 size, automatic dynamic shapes: from 4 blocks on the count stays). ``benchmarks/bench_block_graphs.py`` sweeps
 4 / 8 / 16 for every rule. ``attnres`` (Full) still compiles a graph per merge position: its sources stay separate
-tensors, so that it saves (K+1)·C per token, not O(K²·C) (docs/rules/attnres.md); expected to fail."""
+tensors, so that it saves (K+1)·C per token, not O(K²·C) (docs/rules/attnres.md); expected to fail. So does ``dwa``:
+its history of block outputs is a tuple growing by one per block (stacked, it would save O(d²·C)). ``laurel-pa``'s
+history grows over its first k - 1 merges only, then every merge runs one graph."""
 from __future__ import annotations
 
 import copy
@@ -27,9 +29,9 @@ C = 16
 DEPTHS = (4, 5)
 # one rule per runtime (the MGR chain, the frame family's, AttnRes'); every rule at 4 / 8 / 16 blocks in every
 # checkpointing mode: benchmarks/bench_block_graphs.py (mHC-lite's coefficients cost this file 60 s more)
-RULES = ("plain", "mgr-competitive", "hc", "attnres-block", "attnres")
+RULES = ("plain", "mgr-competitive", "hc", "attnres-block", "attnres", "laurel-pa", "dwa")
 # fewer streams than the default keep MGR's accumulating merges (graphs of their own) inside the first block
-OPTIONS = {"mgr-competitive": {"streams": 2}, "hc": {"streams": 2}}
+OPTIONS = {"mgr-competitive": {"streams": 2}, "hc": {"streams": 2}, "laurel-pa": {"variant": "pa"}}
 
 
 def _x(seed=1):
@@ -84,11 +86,11 @@ def unique_graphs(method: str, depth: int, ckpt: str, compare: bool = False) -> 
     return counter.frame_count
 
 
-POSITIONAL = ("attnres",)  # a graph per merge position (see the module docstring)
+POSITIONAL = ("attnres", "dwa")  # a graph per merge position (see the module docstring)
 
 
 def _marked(method):
-    reason = "its sources are separate tensors, as many as the merges before: a graph per merge position"
+    reason = "its sources are separate tensors, as many as the blocks or merges before: a graph per merge position"
     return pytest.param(method, marks=pytest.mark.xfail(strict=True, reason=reason)) if method in POSITIONAL else method
 
 

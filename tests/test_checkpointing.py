@@ -304,7 +304,7 @@ def test_checkpoint_wrapper_in_either_order(order):
     assert_same_grads(got, grads_of(ref, _loss(_x(1))))
 
 
-FSDP2_METHODS = ("mgr", "attnres-block")
+FSDP2_METHODS = ("mgr", "attnres-block", "dwa", "ddl")
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,11 @@ import torch
 
 import _resctl_tp_script as script
 from lightning_resctl import parallelize_residuals
-from lightning_resctl.rules import get_merge_rule
 from processes import start_runs, wait_for_runs
 
-REL = 1e-12  # fp64: the parallel runs sum the same products in another order
+# fp64: the parallel runs sum the same products in another order (measured <= 1e-12, and 2.6e-12 for the gradient of
+# laurel's two RW logits per merge: one sum over every token's terms, which cancel)
+REL = 1e-11
 BF16_VS_PLAIN = 3.0  # the recipe (bf16 compute): a rule's gradients may differ from fp32 at most 3x the plain model's
 
 
@@ -58,6 +59,11 @@ def fp32_gradients(case: str) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def has_parameters(single: dict) -> bool:
+    """Whether the rule of a :func:`single_process` run added parameters (every chain rule, ``laurel``, ``ddl``)."""
+    return any("_resctl" in name for name in single["start"])
+
+
 def assert_close(got: dict, want: dict, what: str) -> None:
     assert got.keys() == want.keys(), (what, sorted(set(got) ^ set(want)))
     for name, w in want.items():
@@ -84,7 +90,7 @@ def test_every_rule_trains_as_one_process(runs, layout):
             assert_close({"logits": rank["logits"]}, {"logits": want["logits"]}, f"{method} {layout}")
             assert_close(rank["grads"], want["grads"], f"{method} {layout} gradient")
             assert_close(rank["after"], want["after"], f"{method} {layout} after the step")
-        if get_merge_rule(method).kind == "chain":
+        if has_parameters(want):
             assert_ranks_hold_one_rule(rank0["rule_local"], rank1["rule_local"], want["start"])
 
 
@@ -108,7 +114,7 @@ def test_rule_parameters_left_off_the_mesh_are_refused_at_the_first_forward(runs
     """Patched, then parallelize_module, without parallelize_residuals: a rule with parameters would train one copy
     per rank; its first forward raises, naming parallelize_residuals. Rules without parameters run (exact above)."""
     for method, message in runs["raw_rank0"]["not_parallelized"].items():
-        if get_merge_rule(method).kind == "chain":
+        if has_parameters(runs["single"][method]):
             assert "parallelize_residuals(model, tp_mesh, sequence_parallel=" in message, (method, message)
             assert "tensor parallel" in message, (method, message)
         else:

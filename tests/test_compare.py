@@ -471,7 +471,7 @@ def test_builtin_gpt_starts_every_identity_rule_as_plain_and_the_check_catches_t
     claimed = [(m, None) for m in available_methods()[1:] if claims_identity_at_init(m)]
     claimed += [(m, {"init": "residual"}) for m in available_methods()[1:]
                 if not claims_identity_at_init(m) and claims_identity_at_init(m, {"init": "residual"})]
-    assert {"add", "attnres", "attnres-block", "hc"} <= {m for m, _ in claimed}
+    assert {"add", "attnres", "attnres-block", "hc", "dwa", "laurel", "laurel-pa", "kromhc"} <= {m for m, _ in claimed}
     torch.manual_seed(0)
     gpt = CharGPT(n_layer=4, n_embd=32, n_head=2, block_size=16)
     for method, options in claimed:
@@ -578,6 +578,9 @@ def test_rule_identity_claims_are_read_from_the_registry(monkeypatch):
     assert claims_identity_at_init("attnres") and claims_identity_at_init("attnres-block")
     assert not claims_identity_at_init("mgr-competitive") and not claims_identity_at_init("rescontroller")
     assert not claims_identity_at_init("mhc-lite") and claims_identity_at_init("mhc-lite", {"init": "residual"})
+    assert claims_identity_at_init("dwa") and claims_identity_at_init("laurel") and claims_identity_at_init("laurel-pa")
+    assert not claims_identity_at_init("laurel", {"rw_norm": "softmax"}) and not claims_identity_at_init("ddl")
+    assert not claims_identity_at_init("kromhc") and claims_identity_at_init("kromhc", {"init": "residual"})
 
 
 # --- statistics -----------------------------------------------------------------------------------------------

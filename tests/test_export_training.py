@@ -14,7 +14,7 @@ from lightning_resctl.runtime.backends import COMPILE_ENV
 from lightning_resctl.surgery import patch_residuals
 
 RULES = ["add", "rescontroller", "mgr-competitive", "mgr-independent", "attnres", "attnres-block", "hc", "mhc",
-         "mhc-lite"]
+         "mhc-lite", "dwa", "laurel", "laurel-pa", "ddl", "kromhc"]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -58,7 +58,9 @@ def _trained(model, method, **options):
 
 
 CASES = [("gpt2", _gpt2, "rescontroller", {}), ("gpt2", _gpt2, "mgr-competitive", {"streams": 2}),
-         ("llama", _llama, "hc", {}), ("llama", _llama, "mgr", {"streams": 2})]
+         ("llama", _llama, "hc", {}), ("llama", _llama, "mgr", {"streams": 2}),
+         ("gpt2", _gpt2, "laurel", {}), ("gpt2", _gpt2, "ddl", {}), ("llama", _llama, "dwa", {}),
+         ("llama", _llama, "laurel-pa", {}), ("llama", _llama, "kromhc", {})]
 
 
 @pytest.mark.parametrize("name,make,method,options", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
@@ -106,7 +108,7 @@ def test_unpatched_folder_loads_unpatched(tmp_path):
 
 
 AUTO_CASES = [("gpt2", _gpt2, "rescontroller", {}), ("gpt2", _gpt2, "mgr-competitive", {"streams": 2}),
-              ("llama", _llama, "hc", {})]
+              ("llama", _llama, "hc", {}), ("gpt2", _gpt2, "ddl", {})]
 
 
 @pytest.mark.parametrize("name,make,method,options", AUTO_CASES, ids=[f"{c[0]}-{c[2]}" for c in AUTO_CASES])

@@ -99,6 +99,7 @@ def test_runtime_public_names_are_top_level_exports():
 BUILTIN_HOMES = {
     "add": "add", "rescontroller": "rescontroller", "mgr": "mgr", "mgr-competitive": "mgr", "mgr-independent": "mgr",
     "attnres": "attnres", "attnres-block": "attnres", "hc": "hc", "mhc": "hc", "mhc-lite": "mhc_lite",
+    "dwa": "dwa", "laurel": "laurel", "laurel-pa": "laurel", "ddl": "ddl", "kromhc": "kromhc",
 }
 #: parameter names of the oracles that carry an option under another name
 PARAM_OPTION = {"iters": "sinkhorn_iters", "variant": "sinkhorn"}

@@ -43,7 +43,7 @@ def _logits(model) -> torch.Tensor:
         return model(input_ids=IDS).logits
 
 
-METHODS = ["mgr-competitive", "attnres-block", "hc", "mhc-lite"]
+METHODS = ["mgr-competitive", "attnres-block", "hc", "mhc-lite", "dwa", "laurel-pa", "kromhc"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -99,7 +99,7 @@ def _reloaded(folder, method: str):
     return PeftModel.from_pretrained(base, folder)
 
 
-@pytest.mark.parametrize("method", ["hc", "mgr-competitive"])
+@pytest.mark.parametrize("method", ["hc", "mgr-competitive", "ddl"])
 def test_lora_then_patch_the_adapter_folder_rebuilds_the_trained_patched_network(tmp_path, method):
     """``patch_residuals(peft_model)``: the rule's modules join the adapter's ``modules_to_save`` (they train and
     are saved with the LoRA weights); the reload gives the trained model's logits. The order that loses them (the

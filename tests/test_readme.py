@@ -399,7 +399,8 @@ def test_the_rescontroller_page_names_every_backend_the_rule_accepts():
 
 
 #: the papers the rules implement (arXiv ids): the README links and cites them, CITATION.cff lists them
-PAPERS = {"2605.23259", "2603.15031", "2409.19606", "2512.24880", "2601.05732"}
+PAPERS = {"2605.23259", "2603.15031", "2409.19606", "2512.24880", "2601.05732", "2402.02622", "2411.07501",
+          "2601.00417", "2601.21579"}
 
 
 def test_the_readme_links_and_cites_each_rules_paper_and_citation_cff_lists_the_same():

@@ -18,7 +18,7 @@ from lightning_resctl.runtime.backends import COMPILE_ENV
 from lightning_resctl.surgery import patch_residuals
 
 RULES = ["add", "rescontroller", "mgr-competitive", "mgr-independent", "attnres", "attnres-block", "hc", "mhc",
-         "mhc-lite"]
+         "mhc-lite", "dwa", "laurel", "laurel-pa", "ddl", "kromhc"]
 
 
 class InPlaceNet(nn.Module):
@@ -85,7 +85,7 @@ def test_the_compiler_sees_the_merge_math_and_the_gradients_are_eager(method, ki
             assert _rel(p.grad, q.grad) <= 1e-6, (name, _rel(p.grad, q.grad))
 
 
-@pytest.mark.parametrize("method", ["rescontroller", "attnres-block"])
+@pytest.mark.parametrize("method", ["rescontroller", "attnres-block", "dwa"])
 def test_what_the_partitioner_saves_stays_within_the_goal(method, monkeypatch):
     """The activations a compiled step saves for backward (the partitioner's choice, from the closed-form
     backward's needs) stay <= 1.2x the compiled plain model's; plain autograd of ResController's oracle saves

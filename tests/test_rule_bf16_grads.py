@@ -33,7 +33,7 @@ def _rule_and_module(method):
     if rule.kind == "chain":
         mod = rule.build_chain(C, K)
     else:
-        merges = [rule.build_merge(C) for _ in range(K)]
+        merges = [rule.build_merge_sized(-1, C) for _ in range(K)]  # (what the patch builds)
         mod = None if any(m is None for m in merges) else torch.nn.ModuleList(merges)
     if mod is None or not list(mod.parameters()):
         return rule, None
@@ -76,6 +76,15 @@ def _per_token_scale(rule, mod64, x, updates, upstream):
     return scale
 
 
+#: rules whose merges are linear in the streams: the gradient of the first merge's parameters reads only the drive's
+#: inputs (bf16 values in both runs) through constant Jacobians, so no bf16 state can show in the control there
+LINEAR_IN_STREAMS = ("laurel", "laurel-pa")
+
+
+def _reads_no_rounded_state(method: str, name: str) -> bool:
+    return method in LINEAR_IN_STREAMS and name.split(".")[-2] == "0"
+
+
 @pytest.mark.parametrize("method", merge_rules())
 def test_rule_parameter_gradients_are_fp32_math_under_bf16(method):
     rule, mod = _rule_and_module(method)
@@ -110,5 +119,5 @@ def test_rule_parameter_gradients_are_fp32_math_under_bf16(method):
         controls[name] = ((whole[name] - ref_bf16[name]).norm() / ref_bf16_scale[name].norm()).item()
     bad = {n: e for n, e in errs.items() if not e < FP32_MATH}
     assert not bad, f"{method}: part of these gradients is not fp32 math under autocast (difference / scale): {bad}"
-    weak = {n: c for n, c in controls.items() if not c > BF16_STATE}
+    weak = {n: c for n, c in controls.items() if not c > BF16_STATE and not _reads_no_rounded_state(method, n)}
     assert not weak, f"{method}: the measure does not resolve the whole-bf16 run's rounding: {weak}"

@@ -1,7 +1,8 @@
-"""The baseline chain rules (attnres, attnres-block, hc, mhc, mhc-lite) on patched models: compile, training,
+"""The baseline chain rules (attnres, attnres-block, hc, mhc, mhc-lite, kromhc) on patched models: compile, training,
 unpatching, checkpoints, meta-device init, options, diagnostics, ablation and mode-dependent merges.
 
-The math of each rule is tested in tests/test_rule_attnres.py, test_rule_hc.py, test_rule_mhc_lite.py."""
+The math of each rule is tested in tests/test_rule_attnres.py, test_rule_hc.py, test_rule_mhc_lite.py,
+test_rule_kromhc.py."""
 from __future__ import annotations
 
 import copy
@@ -16,12 +17,13 @@ from lightning_resctl.surgery import get_patch_report, merge_sites, patch_residu
 from mgr_helpers import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from models import NanoGPT
 
-RULES = ["attnres", "attnres-block", "hc", "mhc", "mhc-lite"]
+RULES = ["attnres", "attnres-block", "hc", "mhc", "mhc-lite", "kromhc"]
 # a variant of each option that changes the parameters or the math, to exercise them end to end
 VARIANTS = [("attnres", {"key_norm_affine": False}), ("attnres-block", {"block_size": 3}),
             ("attnres-block", {"num_blocks": 2}), ("hc", {"dynamic": False, "reduce": "mean"}),
             ("mhc", {"sinkhorn": "dsv4", "sinkhorn_iters": 5, "streams": 3}), ("mhc", {"init": "residual"}),
-            ("mhc-lite", {"streams": 3, "init": "residual", "reduce": "mean"})]
+            ("mhc-lite", {"streams": 3, "init": "residual", "reduce": "mean"}),
+            ("kromhc", {"streams": 8, "init": "residual", "reduce": "mean"})]
 
 
 def _gpt(n_layer=2, n_embd=32):
@@ -185,6 +187,7 @@ def test_meta_device_init_equals_normal_init(method, options):
     ("mhc-lite", {"streams": 7}, r"streams must be <= 6 for method='mhc-lite', got 7: res mixes all n! permutation "
                                  r"matrices \(5040 for n=7\)"),
     ("mhc-lite", {"init": "identity"}, r"init must be one of \('paper', 'residual'\), got 'identity'"),
+    ("kromhc", {"streams": 6}, r"streams must be a power of 2 >= 2 for method='kromhc', got 6"),
 ])
 def test_bad_options_name_option_and_value(method, options, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -219,11 +222,11 @@ def test_observer_streams_and_stats(method):
         assert torch.isnan(w[0, 2:]).all() and (out["attnres_entropy"] > 0).all()
     else:
         assert shapes == [(2, 16, 4, 32)] * 4
-        prefix = {"hc": "hc", "mhc": "mhc", "mhc-lite": "mhcl"}[method]
+        prefix = {"hc": "hc", "mhc": "mhc", "mhc-lite": "mhcl", "kromhc": "kromhc"}[method]
         assert out[f"{prefix}_pre_mean"].shape == (4, 4) and out[f"{prefix}_post_mean"].shape == (4, 4)
         assert (out[f"{prefix}_res_identity_dist"] > 0).all()
-        if method == "mhc-lite":
-            assert out["mhcl_ds_error"].max() < 1e-6
+        if method in ("mhc-lite", "kromhc"):
+            assert out[f"{prefix}_ds_error"].max() < 1e-6
         if method == "mhc":
             assert 0 < out["mhc_ds_error"].max() < 0.05  # 20 Sinkhorn steps: approximate
 
@@ -279,7 +282,7 @@ def test_mode_dependent_merge_reads_for_the_next_one_that_runs(method):
     for m in model.modules():
         if isinstance(m, nn.LayerNorm):
             m.eps = 0.0
-    opts = {"init": "residual"} if method in ("mhc", "mhc-lite") else {}
+    opts = {"init": "residual"} if method in ("mhc", "mhc-lite", "kromhc") else {}
     patch_residuals(model, method=method, **opts)
     for mode in (True, False):
         model.train(mode)

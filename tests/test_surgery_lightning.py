@@ -31,7 +31,7 @@ def test_patch_in_callback_setup_puts_mgr_parameters_in_the_optimizer():
     assert any("gate_bias" in n for n in changed) and any("pool_query" in n for n in changed)
 
 
-DDP_METHODS = ("mgr", "attnres-block", "hc", "mhc-lite")
+DDP_METHODS = ("mgr", "attnres-block", "hc", "mhc-lite", "dwa", "ddl")
 
 
 @pytest.fixture(scope="module")

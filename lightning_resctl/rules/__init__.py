@@ -17,11 +17,16 @@ from .base import (
     merge_rules,
     register_merge_rule,
 )
+from .ddl import DDLRule
+from .dwa import DWARule
 from .hc import HCRule, MHCRule
+from .kromhc import KromHCRule
+from .laurel import LaurelPARule, LaurelRule
 from .mgr import MGRRule
 from .mhc_lite import MHCLiteRule
 from .rescontroller import ResControllerRule
 
 __all__ = ["MergeRule", "ChainRule", "NoOptions", "RuleEntry", "register_merge_rule", "merge_rules",
            "get_merge_rule", "make_rule", "AddRule", "ResControllerRule", "MGRRule", "AttnResRule",
-           "BlockAttnResRule", "HCRule", "MHCRule", "MHCLiteRule"]
+           "BlockAttnResRule", "HCRule", "MHCRule", "MHCLiteRule", "DWARule", "LaurelRule",
+           "LaurelPARule", "DDLRule", "KromHCRule"]

@@ -140,6 +140,12 @@ class MergeRule:
         """The module one merge site holds (its parameters), or None. ``dim``: feature dim of the stream."""
         return None
 
+    def build_merge_sized(self, dim: int, width: int) -> Optional[nn.Module]:
+        """:meth:`build_merge` given also ``width``, the stream's size along ``dim`` (what the patch calls): a rule
+        whose merge module holds parameters of the stream's width (``laurel``, ``ddl``) overrides it; the default
+        calls :meth:`build_merge`."""
+        return self.build_merge(dim)
+
     def merge(self, module: Optional[nn.Module], stream: Tensor, update: Tensor, inplace: Optional[str]) -> Tensor:
         """The merged stream. ``inplace``: None, ``"stream"`` (``stream += update``) or ``"update"``; only a rule
         with :attr:`merges_in_place` acts on it (for the others the site writes the result into that tensor)."""
@@ -202,6 +208,12 @@ class ChainRule(MergeRule):
 
     def build_chain(self, dim: int, num_merges: int) -> nn.Module:
         raise NotImplementedError
+
+    def build_chain_in_blocks(self, dim: int, blocks: tuple) -> nn.Module:
+        """The chain module of a chain whose merges the model's blocks run in groups: ``blocks[b]`` merges in block
+        b, in order (the surgery's grouping, ``surgery.plan.chain_blocks``; they sum to the chain's merges). What
+        the patch calls; a rule that acts per block (``dwa``) overrides it, the others ignore the grouping."""
+        return self.build_chain(dim, sum(blocks))
 
     def start(self, chain: nn.Module, x: Tensor) -> Any:
         """State entering the chain's first merge; ``x``: the stream, features last."""

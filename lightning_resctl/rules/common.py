@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..runtime.backends import RULE_BACKENDS, check_backend
 
-__all__ = ["RMS_EPS", "rms_norm", "compute_dtype", "BACKENDS", "check_rule_backend"]
+__all__ = ["RMS_EPS", "rms_norm", "compute_dtype", "BACKENDS", "check_rule_backend", "init_seed", "init_generator"]
 
 #: Epsilon of the parameter-free RMS norm (MGR's AttnPool and gates, the baselines' key norms).
 RMS_EPS = 1e-6
@@ -31,3 +31,16 @@ def rms_norm(x: Tensor, eps: float = RMS_EPS) -> Tensor:
     x = x.to(compute_dtype(x))
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
+
+
+def init_seed(index: int) -> int:
+    """The seed of the random init of a rule's ``index``-th module (in the order the rule built them): torch's
+    initial seed (what ``torch.manual_seed`` set) mixed with ``index``, read without drawing from the global RNG."""
+    return (torch.initial_seed() + (int(index) + 1) * 0x9E3779B97F4A7C15) % (1 << 63)
+
+
+def init_generator(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed`` (:func:`init_seed`): a rule's random init follows ``torch.manual_seed``,
+    differs per module, is the same again in ``reset_parameters()``, and leaves the global RNG untouched (patching
+    does not change what the model draws afterwards)."""
+    return torch.Generator().manual_seed(int(seed))

@@ -3,7 +3,8 @@ of :func:`~lightning_resctl.surgery.patch_residuals`: observe -> classify -> pla
 
 Every object is built complete, in dependency order, and never edited afterwards:
 
-1. the chain modules (chain rules: one per chain, registered on the chain's owner) and the chains' report entries;
+1. the chain modules (chain rules: one per chain, given its blocks, registered on the chain's owner) and the
+   chains' report entries;
 2. the chain runs (chain rules: the merges each chain expects per mode, the reset/check hooks on its scope);
 3. the parallel runs (one per parallel block written as several additions);
 4. the sites — :class:`MergeSite` per merge expression with its rule, chain module, run, positions per mode,
@@ -25,7 +26,7 @@ from torch import nn
 from .chain_run import ChainEnd, ChainRun, ChainStart
 from .events import Observation, parallel_block, site_key, source_line
 from .parallel import ParallelPart, ParallelRun
-from .plan import CONTAINERS, Plan, branch_kind, chain_dim
+from .plan import CONTAINERS, Plan, branch_kind, chain_blocks, chain_dim
 from .report import ChainInfo, PatchReport
 from .sites import MergeSite, SitePlace, mark_rule_module
 from .tally import hook_tallies, site_tallies
@@ -114,7 +115,8 @@ def bind(model: nn.Module, plan: Plan, rule, report: PatchReport, obs: Observati
                           called_at=ev0.call_location)
         site = MergeSite(
             rule, place, stream_shape=ev0.shapes[0], chain=ci, positions=positions[key], dim=dims[ci],
-            inplace=_inplace(ev0), merge=None if is_chain else rule.build_merge(dims[ci]), chain_slot=chain_slots[ci],
+            inplace=_inplace(ev0), merge=None if is_chain else _merge_module(rule, ev0, dims[ci]),
+            chain_slot=chain_slots[ci],
             run=runs.get(ci), mode_positions=mode_positions, parallel=parallel.get(key),
             stream_first=ev0.stream_operand == 0, tally=tally_of[key])
         sites[key] = site.train(ev0.owner.training)  # new modules follow the mode of the module they are added to
@@ -159,6 +161,17 @@ def _inplace(ev) -> Optional[str]:
     return "stream" if ev.stream_operand == 0 else "update"
 
 
+def _merge_module(rule, ev, dim: int) -> Optional[nn.Module]:
+    """A per-merge rule's module for the site of ``ev`` (given the stream's feature dim and its size), on the device
+    and dtype of the module whose forward holds the addition (as a chain module is)."""
+    mod = rule.build_merge_sized(dim, ev.shapes[0][dim])
+    if mod is not None:
+        device, dtype = _first_tensor_device(ev.owner), _first_float_dtype(ev.owner)
+        if device is not None or dtype is not None:
+            mod.to(device=device, dtype=dtype)
+    return mod
+
+
 def _chain_modules(model: nn.Module, plan: Plan, rule, dims: list, state: PatchState) -> tuple:
     """Chain rules: one chain module per chain, on the device and dtype of the chain's first module, registered on
     the chain's owner (:func:`_chain_owner`); returns where each is registered (``(owner, attribute)``, what the
@@ -166,7 +179,7 @@ def _chain_modules(model: nn.Module, plan: Plan, rule, dims: list, state: PatchS
     slots, infos = [], []
     for ci, chain in enumerate(plan.chains):
         d = dims[ci]
-        mod = rule.build_chain(chain[0].shapes[0][d], len(chain))
+        mod = rule.build_chain_in_blocks(chain[0].shapes[0][d], chain_blocks(model, chain, plan.paths))
         ref = chain[0].owner
         device = _first_tensor_device(ref)
         dtype = _first_float_dtype(ref)

@@ -35,10 +35,16 @@ def peft_adapter(model: nn.Module) -> Optional[tuple]:
 
 
 def _patch_module_names(names: list) -> list:
-    """The names among ``names`` of modules a patch adds (sites, the rules' chain modules)."""
+    """The names among ``names`` of modules a patch adds (sites, the rules' chain modules, a per-merge rule's merge
+    module: ``<site>.merge``)."""
     prefixes = (SITE_PREFIX, *{get_merge_rule(m).rule_class.chain_attr for m in merge_rules()
                                if get_merge_rule(m).kind == "chain"})
-    return [n for n in names if n.rpartition(".")[2].startswith(prefixes)]
+
+    def added(name: str) -> bool:
+        parts = name.split(".")
+        return parts[-1].startswith(prefixes) or (parts[-1] == "merge" and len(parts) > 1
+                                                  and parts[-2].startswith(SITE_PREFIX))
+    return [n for n in names if added(n)]
 
 
 def refuse_adapter_without_its_rule(model: nn.Module) -> None:

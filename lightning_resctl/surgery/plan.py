@@ -7,7 +7,8 @@
   branch), what is skipped and why, one site per expression (:func:`site_key`);
 * what can be rewritten — the patched classes are built for the candidates (:func:`.rewrite.prepare_whole_blocks`);
   the lines that ran in one mode only call the site of the same branch in the other mode (:mod:`.modes`);
-* the chains — merges grouped by the stream they continue (:func:`build_chains`);
+* the chains — merges grouped by the stream they continue (:func:`build_chains`), and a chain's merges grouped
+  by the block of the model that runs them (:func:`chain_blocks`, for the rules that act per block);
 * the branch kind — a label of each merge's branch from its modules' names (:func:`branch_kind`).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .rewrite import is_patched_class, prepare_whole_blocks
 from .sites import MergeSite
 
 __all__ = ["Plan", "make_plan", "check_model", "check_patterns", "refuse_checkpointed", "branch_kind", "build_chains",
-           "chain_dim"]
+           "chain_dim", "chain_blocks"]
 
 #: where a patched module keeps its patch's state (read by unpatch_residuals / get_patch_report)
 STATE_ATTR = "_resctl_patch"
@@ -312,6 +313,34 @@ def _numel(shape) -> int:
 def chain_dim(chain: list) -> int:
     """Feature dim of a chain's stream: 1 (channels-first) when its branches start with a convolution, else -1."""
     return chain[0].feature_dim
+
+
+def chain_blocks(model: nn.Module, chain: list, paths: dict) -> tuple:
+    """A chain's merges grouped by the block that runs them: the number of merges of each block, in order (they
+    sum to ``len(chain)``). A merge's block is the module holding it (its owner) or the owner's innermost ancestor
+    that is an item of a container (``ModuleList`` / ``Sequential`` / ``ModuleDict``: the model's stack of
+    blocks); consecutive merges of one block form one group, and a merge whose expression already ran in the
+    group starts a new one (the same block called again: a weight-tied loop). GPT-2, Llama, the nanoGPT: two
+    merges per block; a ResNet: one."""
+    def block_of(ev) -> str:
+        path = paths.get(id(ev.owner), "")
+        parts = path.split(".") if path else []
+        for end in range(len(parts), 0, -1):
+            parent = ".".join(parts[:end - 1])
+            if isinstance(model.get_submodule(parent) if parent else model, CONTAINERS):
+                return ".".join(parts[:end])
+        return path
+
+    sizes: list = []
+    block, seen = None, set()
+    for ev in chain:
+        b, key = block_of(ev), site_key(ev)
+        if b != block or key in seen:
+            sizes.append(0)
+            block, seen = b, set()
+        sizes[-1] += 1
+        seen.add(key)
+    return tuple(sizes)
 
 
 # ---------------------------------------------------------------------------------------------- branch kind
