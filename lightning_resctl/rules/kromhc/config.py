@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from ..checks import check_choice
 from ..common import RMS_EPS
-from ..frame import check_frame_options
+from ..frame import RECOMPUTE_EVERY, check_frame_options
 from ..hc.config import INITS
 
 __all__ = ["KromHCConfig"]
@@ -20,12 +20,16 @@ class KromHCConfig:
         residual at init for pre-norm models).
     reduce: the chain output, ``"sum"`` over streams (official) or ``"mean"``.
     eps: RMSNorm epsilon over n*C (>= 0; official: L2-normalise with a 1e-12 floor, the same except near 0).
+    recompute_every: merges per recompute group (>= 1; how the streams are kept for the backward, not the math):
+      the streams entering each group's first merge are kept, the others recomputed from them (1: every merge
+      keeps its own).
     """
 
     streams: int = 4
     init: str = "paper"
     reduce: str = "sum"
     eps: float = RMS_EPS
+    recompute_every: int = RECOMPUTE_EVERY
 
     def validate(self) -> "KromHCConfig":
         """Raise ValueError/TypeError naming the option and the value; returns self."""

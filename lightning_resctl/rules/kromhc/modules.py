@@ -4,14 +4,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..frame import pm_one
+from ..frame import FrameLayer, pm_one
 from .config import KromHCConfig
 from .reference import kromhc_coefficients_reference
 
 __all__ = ["KromHCLayer"]
 
 
-class KromHCLayer(nn.Module):
+class KromHCLayer(FrameLayer):
     """Layer ``index``'s KromHC parameters. Init (official code): ``kromhc_proj = 0``, ``kromhc_alpha = 0.01``
     each, ``kromhc_norm_gain = 0``; ``kromhc_bias``: b_pre = +1 at stream ``index mod n``, -1 elsewhere; b_post the
     same (``init="residual"``: 0); b_res = (0, -8) per factor (p_k = 0.99966: ``res`` near the identity)."""
