@@ -101,7 +101,7 @@ def build_pipeline(strategy: Any, trainer: Any, module: nn.Module) -> tuple[Pipe
     if chain is not None:
         said[0] += f", {chain[1][0].rule.name} state across the boundaries"
     if mine:
-        said.append(strategy.blocks_said(mine, flags))
+        said.append("this rank's " + strategy.blocks_said(mine, flags))
     shared_said = shared.said()
     if shared_said:
         said.append(shared_said)

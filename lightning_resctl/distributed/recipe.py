@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..surgery.phase import checkpoint_block
-from ..surgery.tensor_parallel import tensor_parallel_modules
+from ..surgery.tensor_parallel_check import tensor_parallel_modules
 
 __all__ = ["check_checkpointing", "check_compile", "checkpointed", "compile_in_place", "wrap_block", "wrap_blocks",
            "without_checkpoint_wrappers",

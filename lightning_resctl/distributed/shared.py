@@ -99,7 +99,9 @@ class SharedParameters:
 
     def said(self) -> Optional[str]:
         count = sum(len(names) for _, _, names in self.groups)
-        return f"{count} parameters on several stages, their gradients summed" if count else None
+        if not count:
+            return None
+        return f"{count} parameter{'s' if count != 1 else ''} on several stages, their gradients summed"
 
 
 def _column(grid: torch.Tensor, rank: int) -> int:

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..rules import make_rule
 from ..runtime.log import rank_zero_line
-from ..surgery import merge_sites, parallelize_residuals
+from ..surgery import merge_sites
 from ..surgery.api import method_and_options
 from ..surgery.patcher import ResidualPatcher, merge_options
 from .blocks import check_block_cls, find_blocks
@@ -31,6 +31,7 @@ from .recipe import (
     wrap_blocks,
 )
 from .stage_split import check_pipeline_arguments
+from .tensor_parallel import parallelize_residuals
 
 __all__ = ["ResidualParallelStrategy"]
 
