@@ -10,7 +10,8 @@ strategy's line}}``.
 
 ``pp2``: 2 processes, 2 stages (one per rank), every rule, 4 microbatches, ``"gpipe"`` and ``"1f1b"`` alternating
 over the rules (:func:`schedule_of`); then 4 stages on the 2 ranks (``"interleaved-1f1b"``) for :data:`INTERLEAVED`,
-and :data:`MODULEDICT_RULE` on a model whose blocks are an ``nn.ModuleDict`` (no ``block_cls``). ``pp4``: 4
+and :data:`MODULEDICT_RULE` on a model whose blocks are an ``nn.ModuleDict`` (no ``block_cls``), validated after
+each step (its loss logged with ``sync_dist``). ``pp4``: 4
 processes, 4 stages, every rule, each under the other schedule than at 2 stages. ``mesh``: 4 processes, pipeline 2 x
 data 2 (FSDP2 per block and per stage, each block checkpointed and compiled, aot_eager) for :data:`MESH_RULE`; then
 the same stopped after one step, saved (a distributed checkpoint: ``mesh.ckpt``) and resumed for the second by a new
@@ -106,6 +107,19 @@ class GPT(L.LightningModule):
         return DataLoader(TensorDataset(*batch()), batch_size=self.rows)
 
 
+class Validated(GPT):
+    """With a validation step, its loss logged with ``sync_dist`` (a reduction every rank must join)."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = loss_of(self(x), y)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(*batch()), batch_size=self.rows)
+
+
 class Losses(L.Callback):
     def __init__(self):
         self.losses = []
@@ -119,19 +133,19 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def fit(method: str, devices: int, steps: int = STEPS, kind: str = "gpt", rows: int = ROWS, ckpt_path=None,
-        save_to=None, **strategy_args) -> dict:
+        save_to=None, validate: bool = False, **strategy_args) -> dict:
     strategy = ResidualParallelStrategy(method, **options(method), **strategy_args)
     losses = Losses()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=[losses],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=rows != ROWS)
-    module = GPT(kind, rows)
+                        use_distributed_sampler=rows != ROWS, num_sanity_val_steps=0)
+    module = (Validated if validate else GPT)(kind, rows)
     trainer.fit(module, ckpt_path=ckpt_path)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     state = {n.removeprefix("model."): _full(t).detach().clone() for n, t in module.state_dict().items()}
     return {"state": state, "losses": losses.losses, "sent": strategy.pipeline.sent, "applied": strategy.applied,
-            "logged": float(trainer.callback_metrics["train_loss"]), "rank": trainer.global_rank}
+            "logged": {k: float(v) for k, v in trainer.callback_metrics.items()}, "rank": trainer.global_rank}
 
 
 def run_pp2(out: Path) -> dict:
@@ -143,7 +157,7 @@ def run_pp2(out: Path) -> dict:
     for method in INTERLEAVED:
         result[method, "interleaved-1f1b", 4] = fit(method, 2, pipeline_parallel_size=2, schedule="interleaved-1f1b",
                                                     microbatches=MICROBATCHES)
-    result["moduledict"] = fit(MODULEDICT_RULE, 2, kind="moduledict", pipeline_parallel_size=2,
+    result["moduledict"] = fit(MODULEDICT_RULE, 2, kind="moduledict", validate=True, pipeline_parallel_size=2,
                                microbatches=MICROBATCHES)
     return result
 

@@ -47,8 +47,10 @@ def reference(method: str, kind: str = "gpt", steps: int = script.STEPS) -> dict
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+    with torch.no_grad():
+        val_loss = float(script.loss_of(model.eval()(script.batch()[0]), script.batch()[1]))
     return {"state": {n: t.detach().clone() for n, t in model.state_dict().items()}, "losses": losses,
-            "boundaries": states}
+            "boundaries": states, "val_loss": val_loss}
 
 
 def boundary_states(model: nn.Module) -> list:
@@ -131,7 +133,7 @@ def assert_case(runs: dict, mode: str, case, reference_key, data_parallel: int =
         ranks = [runs[f"{mode}{r}"][case] for r in range(first, first + data_parallel)]
         losses = [sum(steps) / data_parallel for steps in zip(*(r["losses"] for r in ranks))]
         assert_losses(losses, want["losses"], f"{mode} {case} ranks {first}+")
-        logged = sum(r["logged"] for r in ranks) / data_parallel
+        logged = sum(r["logged"]["train_loss"] for r in ranks) / data_parallel
         assert logged == pytest.approx(want["losses"][-1], rel=REL)
     return worst
 
@@ -177,10 +179,14 @@ def test_each_stage_sends_the_stream_and_the_rules_state(runs):
 
 def test_blocks_in_a_module_dict_are_found_and_pipelined(runs):
     """torchtitan's layout (``layers`` an ``nn.ModuleDict``): found without ``block_cls``, 2 stages keep the layers'
-    names, equal to one process."""
+    names, equal to one process; its validation step runs through the pipeline (forward only, eval mode), its loss,
+    logged with ``sync_dist`` on every rank, one process's."""
     model = script.base_model("moduledict")
     assert [n for n, _ in find_blocks(model)] == ["layers.0", "layers.1", "layers.2", "layers.3"]
     assert_case(runs, "pp2", "moduledict", "moduledict")
+    for r in (0, 1):
+        assert runs[f"pp2{r}"]["moduledict"]["logged"]["val_loss"] == pytest.approx(
+            runs["single"]["moduledict"]["val_loss"], rel=REL)
     assert {n.split(".")[1] for n in runs["pp21"]["moduledict"]["state"] if n.startswith("layers.")} == {"2", "3"}
 
 
