@@ -231,10 +231,12 @@ def one_rank():
 
 
 def fit_here(strategy, module=None, steps: int = script.STEPS):
+    """The state dict after ``steps`` (Lightning's model summary on: it runs no forward of the split model)."""
     module = module or script.GPT()
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                        enable_checkpointing=False, enable_progress_bar=False)
     trainer.fit(module)
+    fit_here.module = module
     return {n.removeprefix("model."): t.detach().clone() for n, t in module.state_dict().items()}
 
 
@@ -260,6 +262,10 @@ def test_a_rule_registered_by_a_user_crosses_the_stages(one_rank, monkeypatch):
                                             microbatches=2))
     want = reference("user-chain")
     max_difference(got, want["state"], "user-chain")
+    module = fit_here.module
+    assert torch.equal(module.example_input_array, script.batch()[0][:2])  # set aside during fit, back at teardown
+    with pytest.raises(RuntimeError, match="split into pipeline stages .* through the Trainer's steps"):
+        module.model(script.batch()[0])
 
 
 def test_refusals_name_the_argument(one_rank, monkeypatch):

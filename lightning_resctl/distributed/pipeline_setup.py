@@ -23,7 +23,7 @@ from .pipeline import PipelineRunner
 from .recipe import fsdp_said, policy_for_precision, wrap_blocks
 from .shared import SharedParameters
 from .stage_build import StagePlan, chain_of, holders_of, refresh_views, stage_models, trim_to_rank
-from .stage_model import PipelineStageModule, first_block_hook, last_block_hook
+from .stage_model import PipelineStageModule, first_block_hook, last_block_hook, outside_call_refused
 from .stage_split import split_blocks, stage_rank
 
 __all__ = ["build_pipeline"]
@@ -92,6 +92,7 @@ def build_pipeline(strategy: Any, trainer: Any, module: nn.Module) -> tuple[Pipe
             held[keys[0]].register_forward_pre_hook(first_block_hook(stage), prepend=True, with_kwargs=True)
         if s < spec.num_stages - 1:
             held[keys[-1]].register_forward_hook(last_block_hook(stage))
+    model.register_forward_pre_hook(outside_call_refused, prepend=True)
     shared = SharedParameters.build(holders, mesh, rank, module)
     shared.broadcast()
     last = int(pp_mesh.mesh.tolist()[stage_rank(spec.num_stages - 1, spec)])

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from .model_parts import block_stream
 
 __all__ = ["StageOutput", "AbsentBefore", "AbsentAfter", "ChainBoundary", "PipelineStageModule", "INPUT_PREFIX",
-           "encode_call", "first_block_hook", "last_block_hook"]
+           "encode_call", "first_block_hook", "last_block_hook", "outside_call_refused"]
 
 #: the keyword under which a positional argument of the model's call reaches every stage (``{prefix}{i}``)
 INPUT_PREFIX = "_resctl_arg"
@@ -185,6 +185,21 @@ def last_block_hook(stage: "PipelineStageModule"):
     return hook
 
 
+class _Running:
+    """How many stage forwards run now (on this rank): the pipelined model is called only by them."""
+
+    depth = 0
+
+
+def outside_call_refused(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of a rank's pipelined model: a call that is not a stage's forward (the model holds this
+    rank's stages only) raises, naming what to do instead."""
+    if not _Running.depth:
+        raise RuntimeError(f"{type(module).__name__} is split into pipeline stages and this rank holds some of them: "
+                           "call it through the Trainer's steps (ResidualParallelStrategy runs the schedule there), or "
+                           "load the consolidated checkpoint into one process to call it directly")
+
+
 class PipelineStageModule(nn.Module):
     """Stage ``index`` of ``num_stages``: ``model`` (the model holding this stage's blocks, and the modules the
     stage runs) called on the model's own inputs (keyword inputs, every stage), with the previous stage's tensors
@@ -212,6 +227,7 @@ class PipelineStageModule(nn.Module):
             received = tuple(torch.where(torch.zeros_like(t, dtype=torch.bool), t, torch.zeros_like(t))
                              for t in received)
         self.received = tuple(_DenseGrad.apply(t) if t.requires_grad else t for t in received)
+        _Running.depth += 1
         try:
             out = self.model(*args, **kwargs)
         except StageOutput as done:
@@ -219,6 +235,7 @@ class PipelineStageModule(nn.Module):
                 self.sent = self._describe(done.payload)
             return done.payload
         finally:
+            _Running.depth -= 1
             self.received = None
         if not self.is_last:
             raise RuntimeError(f"pipeline stage {self.index}'s forward ran to the model's end without its last block")

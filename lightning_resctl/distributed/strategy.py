@@ -290,6 +290,12 @@ class ResidualParallelStrategy(ModelParallelStrategy):
         self.pipeline.apply_gradients()
         return self.precision_plugin.post_backward(closure_loss, module)
 
+    def teardown(self) -> None:
+        set_aside = self.__dict__.pop("_set_aside", None)
+        if set_aside is not None:
+            set_aside[0].example_input_array = set_aside[1]
+        super().teardown()
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
         """``ModelParallelStrategy.load_checkpoint`` on the model as its checkpoints name it (the checkpoint
         wrappers set aside while it loads: Lightning's one-file loader would look for their names)."""
@@ -324,6 +330,10 @@ class ResidualParallelStrategy(ModelParallelStrategy):
         said = [self._patch(module, trainer)]
         if self.pipeline_spec.active:
             self.pipeline, pipeline_said = build_pipeline(self, trainer, module)
+            # a forward outside the schedule (Lightning's model summary, a logger's graph) cannot run the split model:
+            # the example is set aside while the Trainer holds the module (back at teardown)
+            self._set_aside = (module, module.example_input_array)
+            module.example_input_array = None
             said += pipeline_said
             self._say_applied(module, said)
             return
