@@ -270,7 +270,8 @@ def test_a_rule_registered_by_a_user_crosses_the_stages(one_rank, monkeypatch):
 
 def test_refusals_name_the_argument(one_rank, monkeypatch):
     """On construction: the pipeline's arguments; on setup (two stages on one rank): more stages than blocks, blocks
-    that are not one chain of one class, a rule that declares no stage state."""
+    that are not one chain of one class, a rule that declares no stage state; at a step: a batch that does not split
+    into equal microbatches."""
     for kwargs, match in [(dict(pipeline_parallel_size=0), "pipeline_parallel_size must be a positive int"),
                           (dict(schedule="zigzag"), "schedule must be one of"),
                           (dict(pipeline_parallel_size=4, microbatches=2), "needs microbatches >= pipeline_parallel"),
@@ -287,6 +288,8 @@ def test_refusals_name_the_argument(one_rank, monkeypatch):
     with pytest.raises(ValueError, match="one chain of one class; block_cls= found"):
         fit_here(ResidualParallelStrategy("hc", block_cls=lambda name, m: name.startswith("model.h.")
                                           and name.count(".") == 3, **interleaved))
+    with pytest.raises(ValueError, match="a batch of 4 rows does not split into microbatches=3 of equal size"):
+        fit_here(ResidualParallelStrategy("hc", schedule="interleaved-1f1b", microbatches=3))
     monkeypatch.setitem(base._REGISTRY, "no-stage-state", base.RuleEntry("no-stage-state", NoStageState, (), ""))
     with pytest.raises(ValueError, match="method='no-stage-state' .NoStageState. declares no stage state"):
         fit_here(ResidualParallelStrategy("no-stage-state", backend="torch-eager", **interleaved))

@@ -1,7 +1,7 @@
 """How a pipeline step runs inside Lightning's loop (:class:`PipelineRunner`), the LightningModule's own
 ``training_step`` / ``validation_step`` unchanged:
 
-1. the batch is split into microbatches (``tensor_split`` on dim 0 of every tensor in it);
+1. the batch is split into microbatches of equal size (dim 0 of every tensor in it);
 2. for each, the step method runs up to its call of the model, which is captured there (not run): the model's
    arguments for that microbatch (every stage gets them: positions, masks and token ids reach the later stages);
 3. the schedule runs the stages (``torch.distributed.pipelining``); on the last stage, right after each
@@ -37,15 +37,19 @@ __all__ = ["PipelineRunner", "split_batch"]
 
 
 def split_batch(batch: Any, n: int) -> list:
-    """``batch`` as ``n`` microbatches: every tensor split on dim 0 (``tensor_split``: sizes differ by one at most),
-    anything else repeated. ValueError when a tensor has fewer than ``n`` rows."""
+    """``batch`` as ``n`` microbatches of equal size: every tensor split on dim 0, anything else repeated.
+    ValueError naming ``microbatches`` when a tensor's rows are not a multiple of ``n`` (the stages' buffers are
+    sized by the first microbatch, and each microbatch's mean loss weighs the same)."""
     leaves, spec = tree_flatten(batch)
     sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
     if not sizes:
         raise ValueError("the batch holds no tensor with a batch dimension to split into microbatches")
-    if min(sizes) < n:
-        raise ValueError(f"a batch of {min(sizes)} rows cannot be split into microbatches={n}")
-    parts = [t.tensor_split(n) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * n for t in leaves]
+    uneven = sorted(size for size in sizes if size % n)
+    if uneven or min(sizes) < n:
+        raise ValueError(f"a batch of {(uneven or sorted(sizes))[0]} rows does not split into microbatches={n} of "
+                         "equal size: give a batch size that is a multiple of it (drop_last=True for the last batch "
+                         "of an epoch)")
+    parts = [t.chunk(n) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * n for t in leaves]
     return [tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
 
 

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
@@ -83,8 +84,8 @@ def build_pipeline(strategy: Any, trainer: Any, module: nn.Module) -> tuple[Pipe
                              "stages): one stage per rank on a pipeline x data mesh")
         for block in wrapped:
             fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-        for stage in stages.values():
-            fully_shard(stage, mesh=dp_mesh, mp_policy=policy)
+        for stage in stages.values():  # its inputs as received: a rule's fp32 state stays fp32 under a bf16 policy
+            fully_shard(stage, mesh=dp_mesh, mp_policy=dataclasses.replace(policy, cast_forward_inputs=False))
     held = model.get_submodule(container)._modules
     for s, stage in stages.items():
         keys = [plan.keys[i] for i in plan.ranges[s]]
