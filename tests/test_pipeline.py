@@ -250,6 +250,34 @@ class UserChainRule(MGRRule):
         return packed[0]
 
 
+class TwoBatches(script.GPT):
+    """Two different batches of 4 rows per epoch."""
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(7)
+        tok = torch.randint(0, script.CFG["vocab_size"], (8, script.CFG["block_size"] + 1), generator=g)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tok[:, :-1], tok[:, 1:]), batch_size=4)
+
+
+def test_gradient_accumulation_through_the_pipeline(one_rank):
+    """``accumulate_grad_batches=2``: each batch's gradients (from the schedule) are added after Lightning's
+    ``zero_grad`` of the window, scaled by the window: the parameters of one process accumulating the two batches."""
+    module = TwoBatches()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2, logger=False,
+                        strategy=ResidualParallelStrategy("mgr-competitive", backend="torch-eager",
+                                                          schedule="interleaved-1f1b", microbatches=2),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module)
+    model = script.base_model()
+    patch_residuals(model, method="mgr-competitive", example_input=script.batch()[0][:2], backend="torch-eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=script.LR, momentum=script.MOMENTUM)
+    for x, y in TwoBatches().train_dataloader():
+        (script.loss_of(model(x), y) / 2).backward()
+    optimizer.step()
+    max_difference({n.removeprefix("model."): t for n, t in module.state_dict().items()},
+                   dict(model.state_dict()), "accumulated")
+
+
 class NoStageState(MGRRule):
     stage_state = ChainRule.stage_state
 
