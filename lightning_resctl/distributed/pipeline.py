@@ -100,7 +100,7 @@ class PipelineRunner:
         return self.spec.num_stages - 1 in self.stages
 
     # ------------------------------------------------------------------ the schedule
-    def _schedule(self, key: tuple, train: bool) -> tuple:
+    def _schedule(self, key: tuple) -> tuple:
         if key not in self._schedules:
             stages = [ResidualPipelineStage(self.stages[s], s, self.spec.num_stages, self.device, group=self.group)
                       for s in sorted(self.stages)]
@@ -152,14 +152,15 @@ class PipelineRunner:
             stage.train(module.training)
         microbatches = split_batch(batch, self.spec.microbatches)
         step = getattr(module, hook)
-        with _replaced(module, "log", lambda *a, **k: None), torch.no_grad():
+        with _replaced(module, "log", lambda *a, **k: None):
             calls = [capture_call(self.model, lambda mb=mb: step(mb, *rest), f"{type(module).__name__}.{hook}")
                      for mb in microbatches]
         inputs = [encode_call(args, kwargs) for args, kwargs in calls]
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(inputs)):
-            raise ValueError(f"{hook} calls the model with a tensor that requires grad: under pipeline parallel the "
-                             "model's inputs reach every stage as inputs, not as a stage's output")
-        schedule, stages = self._schedule((train, *(_signature(k) for k in inputs)), train)
+            raise ValueError(f"{hook} calls the model with a tensor that requires grad (computed from parameters "
+                             "outside the model): under pipeline parallel the model's inputs reach every stage as "
+                             "inputs, and no gradient would flow back to them; compute it inside the model")
+        schedule, stages = self._schedule((train, *(_signature(k) for k in inputs)))
         previous = self._take_gradients(module) if train else {}
         self._replay = _Replay(module, hook, microbatches, rest)
         self._returned_none = False
