@@ -35,8 +35,13 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from _resctl_tp_script import LR, _full, _local, _rule_names, base_model, batch, loss_of, options, plan  # noqa: E402
-from lightning_resctl import ResidualParallelStrategy, merge_rules, parallelize_residuals  # noqa: E402
-from lightning_resctl.callbacks import ResidualControlCallback, patch_in_configure_model  # noqa: E402
+from lightning_resctl import (  # noqa: E402
+    ResidualParallelStrategy,
+    merge_rules,
+    parallelize_residuals,
+    patch_in_configure_model,
+)
+from lightning_resctl.callbacks import ResidualControlCallback  # noqa: E402
 
 RULES = ("rescontroller", "mgr-competitive", "hc")  # compared with the hand-written recipe too
 EVERY_RULE = tuple(m for m in merge_rules() if m != "mgr")  # sequence parallel ("mgr" is mgr-competitive)

@@ -177,7 +177,8 @@ def run_lightning(out: Path) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_resctl.callbacks import ResidualControlCallback, patch_in_configure_model
+    from lightning_resctl import patch_in_configure_model
+    from lightning_resctl.callbacks import ResidualControlCallback
     from lightning_resctl.surgery import get_patch_report
 
     class GPT(L.LightningModule):

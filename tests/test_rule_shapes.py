@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_resctl.callbacks import patch_in_configure_model
+from lightning_resctl import patch_in_configure_model
 from lightning_resctl.rules import merge_rules
 from lightning_resctl.surgery import patch_from_state_dict, patch_residuals
 from models import NanoGPT

@@ -1,7 +1,7 @@
 """The blocks of a model, found without the user naming them: the repeated children (the largest ``ModuleList`` /
-``Sequential`` of children of one class) that hold the patched merges; ``block_cls`` (a class, a tuple of classes
-or a predicate ``(name, module) -> bool``) overrides. Each block is what the strategy checkpoints, compiles and
-shards on its own."""
+``ModuleDict`` / ``Sequential`` of children of one class) that hold the patched merges; ``block_cls`` (a class, a
+tuple of classes or a predicate ``(name, module) -> bool``) overrides. Each block is what the strategy checkpoints,
+compiles, shards and puts on a pipeline stage on its own."""
 from __future__ import annotations
 
 import importlib
@@ -11,7 +11,10 @@ from torch import nn
 
 from ..surgery import MergeSite
 
-__all__ = ["check_block_cls", "find_blocks"]
+__all__ = ["check_block_cls", "find_blocks", "CONTAINERS"]
+
+#: the containers whose children can be the blocks
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 def check_block_cls(block_cls: Any) -> Any:
@@ -64,14 +67,15 @@ def find_blocks(module: nn.Module, block_cls: Any = None) -> list[tuple[str, nn.
     patched = _sites(module) > 0
     candidates = []
     for name, sub in module.named_modules():
-        if isinstance(sub, (nn.ModuleList, nn.Sequential)) and len(sub) >= 2 and len({type(c) for c in sub}) == 1:
+        children = list(sub.children()) if isinstance(sub, CONTAINERS) else []
+        if len(children) >= 2 and len({type(c) for c in children}) == 1:
             sites = _sites(sub)
             if sites or not patched:
-                candidates.append(((sites, len(sub)), name, sub))
+                candidates.append(((sites, len(children)), name, sub))
     if not candidates:
         what = "holding the patched merges " if patched else ""
-        raise ValueError(f"found no repeated blocks in {type(module).__name__} (a ModuleList or Sequential of at "
-                         f"least two modules of one class {what}): name them with block_cls= (a class or a predicate "
-                         "(name, module) -> bool)")
+        raise ValueError(f"found no repeated blocks in {type(module).__name__} (a ModuleList, ModuleDict or Sequential "
+                         f"of at least two modules of one class {what}): name them with block_cls= (a class or a "
+                         "predicate (name, module) -> bool)")
     _, name, container = max(candidates, key=lambda c: c[0])
     return [(f"{name}.{i}" if name else i, child) for i, child in container.named_children()]

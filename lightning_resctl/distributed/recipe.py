@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from ..surgery.phase import checkpoint_block
-from ..surgery.tensor_parallel import tensor_parallel_modules
+from ..surgery.tensor_parallel_check import tensor_parallel_modules
 
 __all__ = ["check_checkpointing", "check_compile", "checkpointed", "compile_in_place", "wrap_block", "wrap_blocks",
            "without_checkpoint_wrappers",
-           "parallelized_already", "policy_for_precision"]
+           "parallelized_already", "policy_for_precision", "fsdp_said"]
 
 
 def check_checkpointing(value: Any) -> None:
@@ -153,3 +153,12 @@ def policy_for_precision(precision: str) -> Any:
     if half is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+
+
+def fsdp_said(dp_mesh: Any, policy: Any) -> str:
+    """What FSDP2 does over ``dp_mesh`` with ``policy``, for the strategy's line."""
+    if dp_mesh.size() == 1:
+        return "no FSDP2 (1 data-parallel rank)"
+    dtypes = [f"{what} {str(dtype).replace('torch.', '')}" for what, dtype in
+              (("parameters", policy.param_dtype), ("reduce", policy.reduce_dtype)) if dtype is not None]
+    return f"FSDP2 over {dp_mesh.size()} ranks ({', '.join(dtypes) or 'no casting'})"

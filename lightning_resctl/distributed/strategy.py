@@ -15,19 +15,23 @@ from torch import nn
 
 from ..rules import make_rule
 from ..runtime.log import rank_zero_line
-from ..surgery import merge_sites, parallelize_residuals
+from ..surgery import merge_sites
 from ..surgery.api import method_and_options
 from ..surgery.patcher import ResidualPatcher, merge_options
 from .blocks import check_block_cls, find_blocks
+from .pipeline_setup import build_pipeline
 from .plan import check_plan_argument, resolve_plan, sequence_parallel_of
 from .recipe import (
     check_checkpointing,
     check_compile,
+    fsdp_said,
     parallelized_already,
     policy_for_precision,
     without_checkpoint_wrappers,
     wrap_blocks,
 )
+from .stage_split import check_pipeline_arguments
+from .tensor_parallel import parallelize_residuals
 
 __all__ = ["ResidualParallelStrategy"]
 
@@ -58,9 +62,18 @@ class ResidualParallelStrategy(ModelParallelStrategy):
        data-parallel mesh with ``mp_policy`` (default: from the Trainer's ``precision``);
     4. ``fully_shard`` of the LightningModule (with more than one data-parallel rank).
 
+    With ``pipeline_parallel_size`` above 1 (or several ``stages_per_rank``) the blocks are split into pipeline stages
+    (``torch.distributed.pipelining``, :mod:`.pipeline_setup`) after the patch: each rank holds its stages' blocks and
+    the modules they run, a chain rule's state crosses the stage boundaries as the rule packs it
+    (``ChainRule.stage_state``), and the strategy runs the schedule where Lightning runs ``training_step`` /
+    ``validation_step`` / ``test_step`` (:mod:`.pipeline`: what it requires of the LightningModule). The blocks are
+    checkpointed, compiled and sharded (FSDP2 over the data-parallel ranks of a ``pipeline x data`` mesh) as above.
+
     One line on rank zero says what was applied (:attr:`applied`). Refused, naming the argument: a plan entry naming
     no module, ``block_cls`` matching nothing, a mesh larger than the world, a ``tensor_parallel_size`` above 1
-    without a plan, a model that ``configure_model`` parallelized already.
+    without a plan, a model that ``configure_model`` parallelized already; under pipeline parallel also more stages
+    than blocks, blocks that are not one chain of one class, a rule that declares no stage state, a plan,
+    ``save_distributed_checkpoint=False``, several stages per rank with more than one data-parallel rank.
 
     Args:
         method: a registered merge rule (``lightning_resctl.merge_rules()``) or a rule's config; None: the Trainer's
@@ -79,6 +92,12 @@ class ResidualParallelStrategy(ModelParallelStrategy):
             ``precision="bf16-mixed"`` / ``"16-mixed"``, else none).
         data_parallel_size, tensor_parallel_size: the mesh (``"auto"``: one tensor-parallel group of every process of
             a node when a plan is given, else 1; data parallel over the rest).
+        pipeline_parallel_size: ranks the blocks are split over (the mesh is ``pipeline x data x tensor``).
+        schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved-1f1b"`` or ``"looped-bfs"`` (several stages per
+            rank).
+        microbatches: microbatches per step (default: the number of stages); the batch is split on dim 0.
+        stages: blocks per stage (``pipeline_parallel_size x stages_per_rank`` ints; default: balanced by count).
+        stages_per_rank: stages each rank runs (default 2 for the interleaved schedules, else 1).
         example_input, include, exclude: passed to ``patch_residuals``.
         save_distributed_checkpoint, process_group_backend, timeout: as ``ModelParallelStrategy``.
     """
@@ -96,6 +115,11 @@ class ResidualParallelStrategy(ModelParallelStrategy):
         mp_policy: Any = None,
         data_parallel_size: Size = "auto",
         tensor_parallel_size: Size = "auto",
+        pipeline_parallel_size: int = 1,
+        schedule: str = "1f1b",
+        microbatches: Optional[int] = None,
+        stages: Optional[list] = None,
+        stages_per_rank: Optional[int] = None,
         example_input: Any = None,
         include: Any = None,
         exclude: Any = None,
@@ -128,6 +152,18 @@ class ResidualParallelStrategy(ModelParallelStrategy):
         if plan is None and tensor_parallel_size not in ("auto", 1):
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} without a plan: give plan= (what "
                              "parallelize_module makes tensor parallel), or leave tensor_parallel_size='auto'")
+        #: the checked pipeline arguments (:class:`~.stage_split.PipelineSpec`)
+        self.pipeline_spec = check_pipeline_arguments(pipeline_parallel_size, schedule, microbatches, stages,
+                                                      stages_per_rank)
+        if self.pipeline_spec.active and plan is not None:
+            raise ValueError("plan= (tensor parallel) together with pipeline_parallel_size > 1 is not supported: give "
+                             "one of them")
+        if self.pipeline_spec.active and not save_distributed_checkpoint:
+            raise ValueError("save_distributed_checkpoint=False under pipeline parallel: each rank holds its stages "
+                             "only, and a one-file checkpoint would hold rank 0's; save a distributed checkpoint "
+                             "(Lightning's consolidate_checkpoint makes one file of it)")
+        #: the pipeline's runner (:class:`~.pipeline.PipelineRunner`), once the stages are built
+        self.pipeline: Any = None
         self.plan = plan
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
@@ -145,17 +181,20 @@ class ResidualParallelStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ the mesh and the patch's one source
     def _resolve_mesh(self) -> None:
         world = self.num_nodes * self.num_processes
-        tp, dp = self._tensor_parallel_size, self._data_parallel_size
+        tp, dp, pp = self._tensor_parallel_size, self._data_parallel_size, self.pipeline_spec.size
         if tp == "auto":
             tp = 1 if self.plan is None else self.num_processes
         if dp == "auto":
-            dp = max(world // tp, 1)
-        if dp * tp > world:
-            raise ValueError(f"the mesh data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} "
-                             f"processes, more than the world's {world} (devices x num_nodes)")
-        if dp * tp != world:
-            raise ValueError(f"the mesh data_parallel_size={dp} x tensor_parallel_size={tp} covers {dp * tp} of the "
-                             f"world's {world} processes: the product must equal the world size")
+            dp = max(world // (tp * pp), 1)
+        mesh = f"data_parallel_size={dp} x tensor_parallel_size={tp}"
+        if pp > 1:
+            mesh = f"pipeline_parallel_size={pp} x {mesh}"
+        if dp * tp * pp > world:
+            raise ValueError(f"the mesh {mesh} needs {dp * tp * pp} processes, more than the world's {world} (devices "
+                             "x num_nodes)")
+        if dp * tp * pp != world:
+            raise ValueError(f"the mesh {mesh} covers {dp * tp * pp} of the world's {world} processes: the product "
+                             "must equal the world size")
         self._data_parallel_size, self._tensor_parallel_size = dp, tp
 
     def _callback_patcher(self, trainer: Any) -> Optional[ResidualPatcher]:
@@ -178,7 +217,17 @@ class ResidualParallelStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._resolve_mesh()
         self._callback_patcher(getattr(self.lightning_module, "_trainer", None))
-        super().setup_environment()
+        if not self.pipeline_spec.active:
+            super().setup_environment()
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        super(ModelParallelStrategy, self).setup_environment()
+        self._setup_distributed()
+        shape = (self.pipeline_spec.size, self._data_parallel_size, self._tensor_parallel_size)
+        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=(
+            "pipeline_parallel", "data_parallel", "tensor_parallel"))
+        self.lightning_module._device_mesh = self._device_mesh
 
     # ------------------------------------------------------------------ setup: the recipe, then Lightning's
     def setup(self, trainer: Any) -> None:
@@ -198,6 +247,54 @@ class ResidualParallelStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    # ------------------------------------------------------------------ the steps (through the pipeline if any)
+    def _pipelined(self, hook: str, context: Any, args: tuple, kwargs: dict, train: bool) -> Any:
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        if kwargs:
+            raise TypeError(f"{hook} under pipeline parallel takes its arguments positionally, got {sorted(kwargs)}")
+        module = self.lightning_module
+        accumulate = module.trainer.accumulate_grad_batches if train else 1
+        with context:
+            return self.pipeline.run(module, hook, args[0], args[1:], train=train, accumulate=accumulate)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().training_step(*args, **kwargs)
+        return self._pipelined("training_step", self.precision_plugin.train_step_context(), args, kwargs, True)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        return self._pipelined("validation_step", self.precision_plugin.val_step_context(), args, kwargs, False)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().test_step(*args, **kwargs)
+        return self._pipelined("test_step", self.precision_plugin.test_step_context(), args, kwargs, False)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            raise RuntimeError("predict under pipeline parallel is not supported (the outputs live on the last stage): "
+                               "predict with the consolidated checkpoint in one process")
+        return super().predict_step(*args, **kwargs)
+
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's backward; under pipeline parallel the schedule ran it in ``training_step``: its gradients are
+        added here, after Lightning's ``zero_grad`` (the ``on_before_backward`` / ``on_after_backward`` hooks run as
+        usual)."""
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.pipeline.apply_gradients()
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def teardown(self) -> None:
+        set_aside = self.__dict__.pop("_set_aside", None)
+        if set_aside is not None:
+            set_aside[0].example_input_array = set_aside[1]
+        super().teardown()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
         """``ModelParallelStrategy.load_checkpoint`` on the model as its checkpoints name it (the checkpoint
@@ -231,6 +328,15 @@ class ResidualParallelStrategy(ModelParallelStrategy):
                 "with this strategy configure_model only builds the model. Remove parallelize_module / fully_shard "
                 "from it (give the plan as plan=), or use Lightning's ModelParallelStrategy")
         said = [self._patch(module, trainer)]
+        if self.pipeline_spec.active:
+            self.pipeline, pipeline_said = build_pipeline(self, trainer, module)
+            # a forward outside the schedule (Lightning's model summary, a logger's graph) cannot run the split model:
+            # the example is set aside while the Trainer holds the module (back at teardown)
+            self._set_aside = (module, module.example_input_array)
+            module.example_input_array = None
+            said += pipeline_said
+            self._say_applied(module, said)
+            return
         tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
         shard = dp_mesh.size() > 1
         per_block = shard or self.compile_options is not None or self.activation_checkpointing not in (None, False)
@@ -247,9 +353,11 @@ class ResidualParallelStrategy(ModelParallelStrategy):
             fully_shard(module, mesh=dp_mesh, mp_policy=policy)
             _steps_gather_the_root(module)
         if blocks:
-            said.append(self._blocks_said(blocks, flags))
-        said.append(f"FSDP2 over {dp_mesh.size()} ranks ({_policy_said(policy)})" if shard
-                    else "no FSDP2 (1 data-parallel rank)")
+            said.append(self.blocks_said(blocks, flags))
+        said.append(fsdp_said(dp_mesh, policy))
+        self._say_applied(module, said)
+
+    def _say_applied(self, module: nn.Module, said: list) -> None:
         self.applied = "ResidualParallelStrategy: " + " · ".join(said)
         module._resctl_recipe = self.applied
         rank_zero_line(self.applied)
@@ -273,7 +381,7 @@ class ResidualParallelStrategy(ModelParallelStrategy):
         ranks = tp_mesh.size()
         return f"{rules}, {len(plan)} plan entries over {ranks} rank{'s' if ranks != 1 else ''}"
 
-    def _blocks_said(self, blocks: list, flags: list) -> str:
+    def blocks_said(self, blocks: list, flags: list) -> str:
         kinds = sorted({type(b).__name__ for _, b in blocks})
         said = f"{len(blocks)} blocks ({'/'.join(kinds)})"
         if any(flags):
@@ -295,9 +403,3 @@ def _steps_gather_the_root(module: nn.Module) -> None:
     for name in ("training_step", "validation_step", "test_step", "predict_step"):
         if is_overridden(name, module):
             register_fsdp_forward_method(module, name)
-
-
-def _policy_said(policy: Any) -> str:
-    dtypes = [f"{what} {str(dtype).replace('torch.', '')}" for what, dtype in
-              (("parameters", policy.param_dtype), ("reduce", policy.reduce_dtype)) if dtype is not None]
-    return ", ".join(dtypes) or "no casting"

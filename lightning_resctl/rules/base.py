@@ -249,6 +249,22 @@ class ChainRule(MergeRule):
         """The streams ``(..., m, C)`` held in ``state`` (diagnostics), or None."""
         return None
 
+    def stage_state(self, chain: nn.Module, state: Any = None, *, packed: Optional[tuple] = None) -> Any:
+        """The chain's state across a pipeline stage boundary (``ResidualParallelStrategy(pipeline_parallel_size=
+        ...)``): ``stage_state(chain, state)`` packs the state between two merges into a tuple of tensors, what the
+        next stage reads of it, each once (the stage sends them beside the stream the model's code passes on);
+        ``stage_state(chain, packed=tensors)`` rebuilds the state from them on the next stage, once per
+        microbatch (per-forward bookkeeping the rule keeps on its modules starts afresh there). Only tensors cross
+        a stage boundary (dtype and shape free: an int64 tensor carries a structure's sizes); a value the next
+        stage can compute from the tensors and the chain module (replicated on every stage) need not travel.
+
+        The default declares no stage state: a pipeline refuses the rule, naming it. ``packed`` keyword-only, so
+        that ``stage_state(chain, state)`` is always the packing."""
+        raise NotImplementedError(
+            f"method={self.name!r} ({type(self).__name__}) declares no stage state: ChainRule.stage_state(chain, "
+            "state) -> tuple of tensors and stage_state(chain, packed=tensors) -> state, for a pipeline stage "
+            "boundary")
+
     def num_merges(self, chain: nn.Module) -> int:
         return int(chain.num_merges)
 

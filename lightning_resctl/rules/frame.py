@@ -251,6 +251,14 @@ class FrameRule(ChainRule):
     def streams(self, chain, state):
         return state.streams if isinstance(state, FrameState) else state
 
+    def stage_state(self, chain, state=None, *, packed=None):
+        """The n streams ``(..., n, C)`` and, once the next merge's branch input was read, that merge's ``res (..., n,
+        n)`` and ``post (..., n)`` (what it merges with; not computed again on the next stage)."""
+        if packed is None:
+            return (state.streams,) if state.res is None else (state.streams, state.res, state.post)
+        streams, res, post = (*packed, None, None) if len(packed) == 1 else packed
+        return FrameState(streams, res, post)
+
     # ---- diagnostics
     def make_stats(self, num_depths, model):
         from .stats import FrameStats  # torchmetrics: imported when diagnostics are asked for

@@ -48,14 +48,12 @@ from .checkpoint import (
 from .pretrained import from_pretrained
 from .report import ChainInfo, PatchReport, SiteInfo, SkippedInfo
 from .sites import MergeSite
-from .tensor_parallel import parallelize_residuals
 
 __all__ = [
     "patch_residuals",
     "unpatch_residuals",
     "get_patch_report",
     "merge_sites",
-    "parallelize_residuals",
     "load_unpatched_state_dict",
     "patch_from_state_dict",
     "patch_from_checkpoint",

@@ -26,7 +26,7 @@ from .plan import STATE_ATTR, check_model, check_patterns, make_plan, refuse_che
 from .record import forget_patch_on_config, note_patch_on_config
 from .report import PatchReport, describe
 from .sites import MergeSite
-from .tensor_parallel import TensorParallelCheck, refuse_tensor_parallel
+from .tensor_parallel_check import TensorParallelCheck, refuse_tensor_parallel
 
 __all__ = ["patch_residuals", "unpatch_residuals", "get_patch_report", "merge_sites"]
 

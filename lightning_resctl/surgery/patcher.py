@@ -13,7 +13,7 @@ from torch import nn
 from ..rules import get_merge_rule, make_rule
 from ..runtime.log import rank_zero_line
 from .api import get_patch_report, merge_sites, patch_residuals, unpatch_residuals
-from .tensor_parallel import refuse_tensor_parallel
+from .tensor_parallel_check import refuse_tensor_parallel
 
 __all__ = ["ResidualPatcher", "merge_options", "check_method", "ensure_patched", "patch_copies", "patch_line"]
 
@@ -70,7 +70,7 @@ def ensure_patched(
     example input when neither ``example_input`` nor ``module.example_input_array`` is set. A module patched already
     with another method raises ValueError; MGR on an already sharded (FSDP2/DTensor) module raises RuntimeError,
     since its new parameters would not be sharded (patch inside ``configure_model`` before ``fully_shard``,
-    see :func:`lightning_resctl.callbacks.patch_in_configure_model`).
+    see :func:`lightning_resctl.patch_in_configure_model`).
     """
     sites = merge_sites(module)  # also finds a patch applied to a submodule (e.g. self.model)
     if sites or get_patch_report(module) is not None:
@@ -88,7 +88,7 @@ def ensure_patched(
     if rule.kind == "chain" and _has_dtensor_params(module):
         raise RuntimeError(
             f"the model's parameters are already sharded (DTensor) when the residual patch runs, so {use}'s new "
-            "parameters would not be sharded. Call `lightning_resctl.callbacks.patch_in_configure_model(self)` "
+            "parameters would not be sharded. Call `lightning_resctl.patch_in_configure_model(self)` "
             "in configure_model after building the layers and before fully_shard."
         )
     kwargs: dict[str, Any] = dict(method_options or {})

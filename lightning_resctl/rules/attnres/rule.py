@@ -57,6 +57,29 @@ class AttnResRule(ChainRule):
         """The current sources stacked ``(..., m, C)`` (diagnostics only: a copy)."""
         return torch.stack(state.sources(), dim=-2) if isinstance(state, (AttnResState, BlockState)) else state
 
+    def stage_state(self, chain, state=None, *, packed=None):
+        """The completed blocks (``b_0 = x`` first) and the partial block, each once, then an int64 ``layout``:
+        ``[t, partial?, first_0, ..., first_{m-1}]`` for the sources as they are (:class:`~.ops.AttnResState`),
+        ``[open]`` for Block AttnRes's stacked state in blocks compiled one by one (:class:`~.ops.BlockState`: the
+        stack, its rms and the partial). The key logits and the queries are computed again on the next stage, from
+        the blocks and the chain's parameters (on every stage)."""
+        if packed is None:
+            if isinstance(state, BlockState):
+                return (state.blocks, state.rms, state.partial, _layout([int(state.open)], state.partial))
+            partial = [] if state.partial is None else [state.partial]
+            layout = _layout([state.t, len(partial), *state.first], state.blocks[0])
+            return (*state.blocks, *partial, layout)
+        *tensors, layout = packed
+        numbers = layout.tolist()
+        if len(numbers) == 1:
+            blocks, rms, partial = tensors
+            return BlockState(blocks, rms, partial, bool(numbers[0]))
+        t, has_partial, *first = numbers
+        blocks = tuple(tensors[:len(first)])
+        queries = site_queries(chain, blocks[0].dtype)
+        logits = tuple(block_logits(chain, b, queries, f) for b, f in zip(blocks, first))
+        return AttnResState(blocks, logits, tuple(first), tensors[len(first)] if has_partial else None, t, queries)
+
     def weights(self, chain, k: int, state: AttnResState, u: Tensor) -> Tensor:
         """alpha ``(..., m)`` of site k: its query over the sources after merging ``u`` into ``state``."""
         _, alpha = pool(chain, k, advance(chain, k, state, u.to(compute_dtype(u))))
@@ -78,6 +101,11 @@ class AttnResRule(ChainRule):
             u = u.movedim(d, -1)
         u = u.reshape(state.sources()[0].shape)
         stats.update(depth, alpha=self.weights(site.chain_module, int(position), state, u))
+
+
+def _layout(numbers: list, like: Tensor) -> Tensor:
+    """A state's structure as an int64 tensor on ``like``'s device (what crosses a stage boundary)."""
+    return torch.tensor(numbers, dtype=torch.int64, device=like.device)
 
 
 class BlockAttnResRule(AttnResRule):

@@ -63,6 +63,16 @@ class MGRRule(ChainRule):
     def streams(self, chain, state):
         return state
 
+    def stage_state(self, chain, state=None, *, packed=None):
+        """The streams ``(..., min(k + 1, n), C)`` cross a stage boundary as they are. Rebuilt on the next stage, the
+        chain starts a new inversion run for this forward (:meth:`MGRChain.start`: its merges' outputs are this
+        microbatch's, never another's in flight)."""
+        if packed is None:
+            return (state,)
+        (streams,) = packed
+        chain.start(streams[..., 0, :])
+        return streams
+
     def make_stats(self, num_depths, model):
         from .stats import MGRStats  # torchmetrics: imported when diagnostics are asked for
 

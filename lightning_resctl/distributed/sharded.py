@@ -42,7 +42,7 @@ def patch_in_configure_model(pl_module: nn.Module, model: nn.Module | None = Non
     The rules' parameters are the same as :func:`patch_residuals` makes (none is 0-d, which FSDP2 refuses), so
     state dicts of both ways load into each other.
     """
-    from .control import ResidualControlCallback
+    from ..callbacks import ResidualControlCallback
 
     target = pl_module if model is None else model
     if merge_sites(pl_module):
