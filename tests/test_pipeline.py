@@ -39,6 +39,7 @@ def reference(method: str, kind: str = "gpt", steps: int = script.STEPS) -> dict
     model = script.base_model(kind)
     patch_residuals(model, method=method, example_input=script.batch()[0][:2], **script.options(method))
     states = boundary_states(model)
+    chains = [site.chain_module for site in merge_sites(model) if site.rule.kind == "chain"]
     optimizer = torch.optim.SGD(model.parameters(), lr=script.LR, momentum=script.MOMENTUM)
     losses = []
     for _ in range(steps):
@@ -50,7 +51,7 @@ def reference(method: str, kind: str = "gpt", steps: int = script.STEPS) -> dict
     with torch.no_grad():
         val_loss = float(script.loss_of(model.eval()(script.batch()[0]), script.batch()[1]))
     return {"state": {n: t.detach().clone() for n, t in model.state_dict().items()}, "losses": losses,
-            "boundaries": states, "val_loss": val_loss}
+            "boundaries": states, "chain": chains[0] if chains else None, "val_loss": val_loss}
 
 
 def boundary_states(model: nn.Module) -> list:
@@ -66,20 +67,31 @@ def boundary_states(model: nn.Module) -> list:
     return out
 
 
-def state_bytes(state) -> int:
+def state_bytes(state, chain) -> int:
     """What of a chain state a later stage reads, in bytes (the rules' definitions): MGR's streams; the frame's
     streams and the next merge's res / post; AttnRes's completed blocks and partial block (its key logits and queries
-    are computed again from them), and its layout (t, whether a partial, each block's first site)."""
+    are computed again from them), and its layout (t, whether a partial, each block's first site); DWA's stream and
+    the completed blocks' outputs an average after a later block reads; LAuReL-PA's previous streams."""
+    def size(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
     if state is None:
         return 0
     if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
+        return size([state])
     kind = type(state).__name__
     if kind == "FrameState":
-        return sum(t.numel() * t.element_size() for t in state if t is not None)
+        return size([state.streams, state.res, state.post])
+    if kind == "DWAState":
+        done = len(state.history) - 1
+        k = chain.dilation  # the average after block i reads the outputs (i mod k) + m k, m = 0 .. i // k
+        later = {j for i in map(int, chain.averages) if i > done for j in range(i % k, i + 1, k)}
+        return size([state.stream, *(t for j, t in enumerate(state.history) if j in later)])
+    if kind == "LaurelState":
+        return size(state.streams)
     assert kind == "AttnResState", kind
     sources = state.sources()
-    return sum(t.numel() * t.element_size() for t in sources) + 8 * (2 + len(state.blocks))
+    return size(sources) + 8 * (2 + len(state.blocks))
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +186,8 @@ def test_each_stage_sends_the_stream_and_the_rules_state(runs):
             for s, items in sent.items():
                 state = runs["single"][method]["boundaries"][(s + 1) * per_stage - 1]
                 assert items[0][0] == "stream" and items[0][3] == ROW_BYTES, (mode, method, items)
-                assert sum(b for *_, b in items[1:]) == state_bytes(state), (mode, method, s, items)
+                want = state_bytes(state, runs["single"][method]["chain"])
+                assert sum(b for *_, b in items[1:]) == want, (mode, method, s, items)
 
 
 def test_blocks_in_a_module_dict_are_found_and_pipelined(runs):

@@ -2,6 +2,8 @@
 (docs/rules/dwa.md; the formula: :mod:`.reference`; the training path: :mod:`.ops`)."""
 from __future__ import annotations
 
+import torch
+
 from ..base import ChainRule, register_merge_rule
 from .config import DWAConfig
 from .modules import DWAChain
@@ -55,6 +57,22 @@ class DWARule(ChainRule):
         without this update) and its average runs."""
         state = dwa_advance(chain, k, next_k, state, None)
         return state, state.stream.view_as(state.stream)
+
+    def stage_state(self, chain, state=None, *, packed=None):
+        """The stream, then one tensor per completed block: its output where a later average reads it (each once),
+        an empty tensor where none does (the history's structure in the tensors' shapes, which the pipeline's shape
+        inference keeps: its received values are zeros)."""
+        if packed is None:
+            done = len(state.history) - 1
+            later = {j for i in map(int, chain.averages) if i > done for j in dwa_sources(i, chain.dilation)}
+            none = state.stream.new_empty(0)
+            return (state.stream, *(t if j in later and t is not None else none
+                                    for j, t in enumerate(state.history)))
+        stream, *outputs = packed
+        history = tuple(None if t.numel() == 0 else t for t in outputs)
+        fresh = () if torch.compiler.is_compiling() or stream.is_inference() else tuple(
+            -1 if t is None else t._version for t in history)
+        return DWAState(stream, history, fresh)
 
     def merge_module(self, site, position):
         """The weights of the average merge ``position`` ends with (None: it ends none)."""

@@ -100,6 +100,14 @@ class LaurelPARule(_LaurelDiagnostics, ChainRule):
         """Ablation *(choice)*: the merge is removed, as a per-merge rule's (the stream passes unchanged)."""
         return laurel_skip(chain.history, state)
 
+    def stage_state(self, chain, state=None, *, packed=None):
+        """The streams the next merges read as previous activations, newest first (at most ``history``; fewer
+        near the chain's start): each once, as they are."""
+        if packed is None:
+            return tuple(state.streams)
+        fresh = () if torch.compiler.is_compiling() or packed[0].is_inference() else tuple(t._version for t in packed)
+        return LaurelState(tuple(packed), fresh)
+
     def observe(self, stats, depth, site, position, stream, update, state):
         if isinstance(state, LaurelState):
             x, *earlier = state.streams
