@@ -179,7 +179,10 @@ def report(rows: list[dict], args) -> str:
             print(f"{label:<40}{'-':>11}{'-':>12}{'-':>9}{'-':>13}  {r['note']}")
             line = f"| {label} | {r['note']} | – |"
         else:
-            print(f"{label:<40}{t:>11.3f}{b:>12.3f}{r['median'] * 1e3:>9.1f}{r['first']:>13.2f}  {r['note'] or ''}")
+            peak = ratio(r, plain, "peak")
+            note = (r["note"] or "") + (f" peak memory {r['peak'] / 2**20:.0f} MiB = {peak:.3f}x plain's"
+                                        if peak is not None else "")
+            print(f"{label:<40}{t:>11.3f}{b:>12.3f}{r['median'] * 1e3:>9.1f}{r['first']:>13.2f}  {note}")
             line = f"| {label} | {t:.3f}× | {b:.3f}× |"
         for mode in args.compile:
             line += " " + _compiled_cells(label, r, _column(rows, mode), mode)
@@ -198,9 +201,11 @@ def _compiled_cells(label: str, eager_row: dict, column: dict, mode: str) -> str
         note = row.get("note") or eager_row.get("note") or "not run"
         print(f"  compiled ({mode}): {note}")
         return f"{note} | – | – | – |"
-    own, compile_ratio = ratio(row, eager_row, "median"), ratio(row, plain, "first")
+    own, compile_ratio, peak = ratio(row, eager_row, "median"), ratio(row, plain, "first"), ratio(row, plain, "peak")
     print(f"  compiled ({mode}): step ratio {t:.3f}, saved ratio {b:.3f}, {row['median'] * 1e3:.1f} ms/step, "
-          f"vs its eager step {own:.3f}, compile (first step) {row['first']:.1f} s = {compile_ratio:.2f}x plain's")
+          f"vs its eager step {own:.3f}, compile (first step) {row['first']:.1f} s = {compile_ratio:.2f}x plain's"
+          + (f", peak memory {row['peak'] / 2**20:.0f} MiB = {peak:.3f}x compiled plain's" if peak is not None
+             else ""))
     return f"{t:.3f}× | {b:.3f}× | {own:.3f}× | {row['first']:.1f} s ({compile_ratio:.2f}×) |"
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-command GPU check of lightning_resctl (<= ~12.5 minutes on one H100/H200-class GPU).
+# One-command GPU check of lightning_resctl (<= ~15.5 minutes on one H100/H200-class GPU: two or three device calls).
 #
 #   bash benchmarks/gpu_check.sh             # run every step, write one markdown report (its path is printed)
 #   bash benchmarks/gpu_check.sh --dry-run   # list the steps, run nothing
@@ -21,28 +21,36 @@
 #   5 bench-peers     GPT-2-small-sized training step (12 layers, C=768, 12 heads, batch 8 x 1024 tokens, bf16
 #                     autocast): every rule and the peers vs plain, eager (goals: rescontroller <= 1.03x, mgr n=4
 #                     <= 1.08x)
-#   6 bench-compiled  the same step under a whole-model torch.compile, mode "default" and "reduce-overhead" (CUDA
-#                     graphs), for plain, rescontroller and mgr n=4 competitive: ratio to compiled plain, vs the
-#                     eager step, compile time
-#   7 bench-recipe    the at-scale recipe (each block compiled on its own, checkpointed, bf16 autocast), GPT-2-small
+#   6 bench-compiled  the same step under a whole-model torch.compile (mode "default") for plain, rescontroller,
+#                     mgr n=4 competitive, attnres-block, hc and mhc-lite: ratio to compiled plain (goals 1.02 /
+#                     1.07 / 1.04 / 1.10 / 1.10), vs the eager step, compile time (first step), peak memory per rule
+#   7 bench-cudagraphs  the same under mode "reduce-overhead" (CUDA graphs; inductor's cache warm from step 6): at
+#                     least as fast as "default" for every rule, no re-recording
+#   8 bench-recipe    the at-scale recipe (each block compiled on its own, checkpointed, bf16 autocast), GPT-2-small
 #                     width at 12 and 24 layers (batch 4 x 1024 tokens): unique graphs, first step (compile), step time
-#                     and peak memory of mgr-competitive and hc vs plain (benchmarks/bench_recipe.py --layers)
+#                     and peak memory of each chain rule vs plain (benchmarks/bench_recipe.py --layers)
+# Steps 6-8 (issue 54's figures) are budgeted for one device call of 8 minutes:
+#   bash benchmarks/gpu_check.sh bench-compiled bench-cudagraphs bench-recipe
+# Each step's output goes into the report as soon as the step ends (a later step's failure or a killed call leaves
+# the earlier steps' figures there).
 # Without CUDA it says so and exits 0. REPORT=path overrides the report path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STEPS=(kernel-tests kernels-aot bench-rescontroller bench-mgr bench-peers bench-compiled bench-recipe)
+STEPS=(kernel-tests kernels-aot bench-rescontroller bench-mgr bench-peers bench-compiled bench-cudagraphs bench-recipe)
 GPT2_SMALL="--device cuda --dtype bf16 --layers 12 --C 768 --heads 12 --T 1024 --batch 8 --vocab 50304"
+COMPILED_RULES="rescontroller,mgr n=4 competitive,attnres-block (lightning_resctl),hc (lightning_resctl),mhc-lite (lightning_resctl)"
 declare -A CMD=(
   [kernel-tests]="env TRITON_INTERPRET=0 LIGHTNING_RESCTL_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider tests/test_mgr_kernels.py -k device_"
   [kernels-aot]="python benchmarks/kernels_aot.py --arch device --C 768 2048 4096 8192 --dtypes fp32 bf16 --n 4 8"
   [bench-rescontroller]="env TRITON_INTERPRET=0 python benchmarks/bench_rescontroller.py --device cuda --gpt-batch 8"
   [bench-mgr]="env TRITON_INTERPRET=0 python benchmarks/bench_mgr.py --streams 4 8 --dims 768 2048"
   [bench-peers]="env TRITON_INTERPRET=0 python benchmarks/bench_peers.py $GPT2_SMALL --reps 10 --warmup 2 --compile none"
-  [bench-compiled]="env TRITON_INTERPRET=0 python benchmarks/bench_peers.py $GPT2_SMALL --reps 10 --warmup 2 --only 'rescontroller,mgr n=4 competitive' --compile default,reduce-overhead"
-  [bench-recipe]="env TRITON_INTERPRET=0 python benchmarks/bench_recipe.py --device cuda --dtype bf16 --layers 12 24 --C 768 --heads 12 --T 1024 --batch 4 --vocab 50304 --reps 5 --warmup 1 --rules mgr-competitive,hc"
+  [bench-compiled]="env TRITON_INTERPRET=0 python benchmarks/bench_peers.py $GPT2_SMALL --reps 10 --warmup 2 --only '$COMPILED_RULES' --compile default"
+  [bench-cudagraphs]="env TRITON_INTERPRET=0 python benchmarks/bench_peers.py $GPT2_SMALL --reps 10 --warmup 2 --only '$COMPILED_RULES' --compile reduce-overhead"
+  [bench-recipe]="env TRITON_INTERPRET=0 python benchmarks/bench_recipe.py --device cuda --dtype bf16 --layers 12 24 --C 768 --heads 12 --T 1024 --batch 4 --vocab 50304 --reps 5 --warmup 1 --rules mgr-competitive,attnres-block,hc,mhc-lite"
 )
-declare -A LIMIT=([kernel-tests]=60 [kernels-aot]=45 [bench-rescontroller]=120 [bench-mgr]=90 [bench-peers]=120 [bench-compiled]=150 [bench-recipe]=165)
+declare -A LIMIT=([kernel-tests]=60 [kernels-aot]=45 [bench-rescontroller]=120 [bench-mgr]=90 [bench-peers]=120 [bench-compiled]=200 [bench-cudagraphs]=110 [bench-recipe]=170)
 
 DRY_RUN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi

@@ -138,7 +138,8 @@ def train_step(row: dict, idx: torch.Tensor, dtype: str = "fp32") -> None:
 def time_interleaved(rows: list[dict], idx: torch.Tensor, *, reps: int, warmup: int,
                      dtype: str = "fp32", before_timing: Optional[Callable] = None) -> list[dict]:
     """Time the training step of every row with a model (see the module docstring); adds ``first`` (s),
-    ``times`` (s), ``median`` (s) and ``saved`` (bytes) to each; a variant whose step raises loses its model and
+    ``times`` (s), ``median`` (s), ``saved`` (bytes) and on CUDA ``peak`` (bytes: the allocator's peak over one
+    more step) to each; a variant whose step raises loses its model and
     keeps the error as its note; ``before_timing()`` is called after the warm-up steps. Returns ``rows``."""
     live = [r for r in rows if r["model"] is not None]
     for r in live:  # first step: one-time costs (compiles, lazy kernel loads)
@@ -168,6 +169,10 @@ def time_interleaved(rows: list[dict], idx: torch.Tensor, *, reps: int, warmup: 
         r["median"] = statistics.median(r["times"])
         with autocast_for(idx.device, dtype):
             r["saved"] = saved_tensor_bytes(gpt_loss, r["model"], idx, exclude=r["model"].parameters())[0]
+        if idx.device.type == "cuda":  # the peak of one more step, from a reset (weights and optimizer state too)
+            torch.cuda.reset_peak_memory_stats(idx.device)
+            train_step(r, idx, dtype)
+            r["peak"] = torch.cuda.max_memory_allocated(idx.device)
     return rows
 
 
