@@ -7,7 +7,8 @@ token's merge from that token alone, so its merges run on the local tensor as th
 the mesh needs. :func:`parallelize_residuals` makes them replicated ``DTensor`` s (as ``SequenceParallel`` does with a
 norm's weight) that each merge reads as local tensors whose gradient is declared ``Partial`` (sequence parallel: each
 rank's gradient covers its own tokens; DTensor sums them when the gradient is used, in the optimizer step, in
-``clip_grad_norm_``, in FSDP2's reduce-scatter) or ``Replicate`` (tensor parallel: every rank's gradient is the whole).
+``clip_grad_norm_``, in FSDP2's reduce-scatter) or ``Partial("avg")`` (tensor parallel: every rank's gradient is the
+whole, equal up to the last bits: averaged, the ranks' copies stay bitwise equal).
 
 Which of the two the stream is cannot be seen from the stream (a plain tensor either way), so the caller says it.
 Refused by the patch itself (:mod:`lightning_resctl.surgery.tensor_parallel_check`), instead of a silently different
@@ -56,8 +57,9 @@ def parallelize_residuals(model: nn.Module, tp_mesh: Any, *, sequence_parallel: 
     """Put the residual rules' parameters of a patched ``model`` on the tensor-parallel mesh ``tp_mesh`` (a 1-D
     ``DeviceMesh``): each becomes a replicated ``DTensor`` (rank 0's values), and each merge reads it as a local
     tensor whose gradient is summed over the mesh (``sequence_parallel=True``: the residual stream between blocks is
-    sharded on the sequence, each rank's gradient covers its own tokens) or is the whole gradient already
-    (``sequence_parallel=False``: the stream is replicated). Call it after ``parallelize_module``, before
+    sharded on the sequence, each rank's gradient covers its own tokens) or averaged over it (``sequence_parallel=
+    False``: the stream is replicated, each rank's gradient is the whole one, the same up to rounding: the average
+    keeps the ranks' copies bitwise equal). Call it after ``parallelize_module``, before
     ``fully_shard`` and before building the optimizer. Returns ``model``.
 
     The order: ``patch_residuals`` (or ``patch_in_configure_model``), ``parallelize_module``,
@@ -79,7 +81,9 @@ def parallelize_residuals(model: nn.Module, tp_mesh: Any, *, sequence_parallel: 
                                "per model, before fully_shard")
         sub.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), tp_mesh, [Replicate()]),
                                                   requires_grad=p.requires_grad))
-    grad_placements = (Partial(),) if sequence_parallel else (Replicate(),)
+    # tensor parallel: every rank computes the whole gradient from the same stream, equal up to the last bits (the
+    # ranks' matrix products need not round alike): averaged, the copies stay bitwise equal on every rank
+    grad_placements = (Partial(),) if sequence_parallel else (Partial("avg"),)
     for site in sites:
         modules = [m for m in (site.merge, site.chain_module) if m is not None]
         if not any(True for m in modules for _ in m.parameters()):
