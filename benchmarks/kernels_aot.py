@@ -56,7 +56,9 @@ GRID_C = (64, 256, 768, 1024, 2048, 4096, 8192, 16384, 32768)
 #: tests only); its spills are summed apart and do not fail the run.
 DTYPES = ("fp32", "bf16", "fp16", "fp64")
 STREAMS = (2, 4, 8)
-KINDS = ("accumulating", "independent", "competitive")
+#: MGR merge kinds; "<gating> inverted": a gated merge with the fallback inversion (fp32 streams' default)
+INVERTED = " inverted"
+KINDS = ("accumulating", "independent", "competitive", "independent" + INVERTED, "competitive" + INVERTED)
 ARCHS = (80, 90)
 #: Rows (tokens) the byte count runs on: no other dim of a variant has this size, so it marks row tensors.
 COUNT_ROWS = 5
@@ -141,24 +143,40 @@ def build(v: Variant, rows: int, device: str, arch: Optional[int] = None):
     w = rand(v.c, dtype=f32)
     q = rand(v.c, dtype=f32) if gated else None
     cb = rand(v.n, dtype=f32) if gated else None
-    fb = rand(dtype=f32) if v.kind == "competitive" else None
+    fb = rand(dtype=f32) if v.kind.startswith("competitive") else None
     eps = 1e-6
+    inverted = v.kind.endswith(INVERTED)
+    inversion = k.Inversion(None, 0.05, 0.5, 8.0) if inverted else None
     if v.direction == "fwd":
         outs = (torch.empty(rows, v.n, v.c, dtype=dt, device=streams.device), torch.empty_like(u),
                 torch.empty(rows, m if gated else 0, dtype=f32, device=streams.device),
                 torch.empty(rows, v.n, dtype=f32, device=streams.device))
-        launches = [k.forward_launch(streams, u, w, q, cb, fb, eps, *outs, arch=arch)]
-        return launches, lambda: k.mgr_step(streams, u, w, q, cb, fb, eps)
+        launch, _ = k.forward_launch(streams, u, w, q, cb, fb, eps, *outs, arch=arch, inversion=inversion)
+        return [launch], lambda: k.step_forward(streams, u, w, q, cb, fb, eps, inversion)
     beta = rand(rows, m if gated else 0, dtype=f32).softmax(-1) if gated else None
     a = rand(rows, v.n, dtype=f32).softmax(-1)
     grad_out, grad_h = rand(rows, v.n, v.c), rand(rows, v.c)
-    launch, _ = k.backward_launch(streams, u, beta, a, w, q, fb, grad_out, grad_h, eps,
-                                  torch.empty_like(streams), torch.empty_like(u), arch=arch)
-    return [launch], lambda: k.mgr_step_backward_raw(streams, u, beta, a, w, q, cb, fb, grad_out, grad_h, eps)
+    exact = None
+    if inverted:  # the forward's exact rows: a budget of rows, their slots
+        _, _, _, _, exact = k.step_forward(streams, u, w, q, cb, fb, eps, inversion) if device != "meta" else (
+            None, None, None, None, k.ExactRows(None, torch.full((rows, m), -1, dtype=torch.int32, device="meta"),
+                                                torch.empty(8, v.c, dtype=dt, device="meta")))
+    delivered = torch.empty_like(streams) if inverted else None
+    launch, parts = k.backward_launch(streams, u, beta, a, w, q, fb, grad_out, grad_h, eps,
+                                      torch.empty_like(streams), torch.empty_like(u), arch=arch, exact=exact,
+                                      delivered=delivered)
+    block_m = launch.meta["BLOCK_M"]
+    partials = k.partials_launch(parts, v.c, m, gated, fb is not None, block_m, torch.empty_like(w),
+                                 torch.empty_like(q) if gated else None, torch.empty_like(cb) if gated else None,
+                                 torch.empty(1, device=w.device) if fb is not None else None, f32)
+    return [launch, partials], lambda: k.step_backward(streams, u, beta, a, w, q, cb, fb, grad_out, grad_h, eps,
+                                                       exact=exact, deliver=inverted)
 
 
 def tile_of(launch) -> str:
     meta = launch.meta
+    if "SINGLE" not in meta:  # a small kernel without a tile of its own (MGR's partials sum)
+        return f"sum {meta['BLOCK_P']}x{meta['BLOCK_C']}" if "BLOCK_P" in meta else "-"
     if "ROWS" in meta:
         kind = "one read" if meta["SINGLE"] else "2 passes"
         return f"{meta['ROWS']}x{meta['BLOCK']} {kind}"
@@ -303,12 +321,13 @@ def aot_job(v: Variant, cap: int) -> dict:
         st["vector_bits"] = {k: b for s in stats for k, b in s["vector_bits"].items()}
         st["spill"] = sum(s["spill"] for s in stats)
         st["occupancy"] = min(occupancy(s["regs"], s["smem"], s["warps"], cap) for s in stats)
-        if v.rule == "mgr":  # persistent grids: the programs per SM the launch code sizes them for vs resident
-            tiles = load_kernels("tiles")
+        persistent = [(launch, s) for launch, s in zip(launches, stats) if "maxnreg" in launch.meta]
+        if v.rule == "mgr" and persistent:  # persistent grids: the programs per SM the launch code sizes them for
+            tiles = load_kernels("tiles")  # vs resident (the backward's partials sum is not persistent)
             st["grid_per_sm"] = max(tiles.programs_per_sm(launch.meta["num_warps"], launch.meta["maxnreg"])
-                                    for launch in launches)
+                                    for launch, _ in persistent)
             st["resident_per_sm"] = min(round(occupancy(s["regs"], s["smem"], s["warps"], cap) * SM[cap]["warps"])
-                                        // s["warps"] for s in stats)
+                                        // s["warps"] for _, s in persistent)
         st["tile"] = ", ".join(tile_of(launch) for launch in launches)
         st["error"] = None
     except Exception as e:  # reported per variant, counted in the summary

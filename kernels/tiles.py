@@ -85,7 +85,8 @@ RESCONTROLLER = {
 #: MGR, per direction and element size (bytes of the streams' dtype), per path (``single``: a token's tile
 #: read once; ``loop``: column tiles): ``single_elems`` largest tile (block_m * block_c) read once,
 #: ``loop_elems`` the column tile's elements; ``*_thread_elems`` elements of the tile per thread; ``*_regs``
-#: registers per thread (lowered to 64 for 32-warp programs; a dict: per block_m).
+#: registers per thread (lowered to 64 for 32-warp programs; a dict: per block_m); ``inverted_*_regs``: the inverted
+#: backward's (it rebuilds the inputs beside its output and writes them: more live values), per block_m.
 #: Each thread holds at least 16 bytes of the tile (8 elements of 2-byte streams, 4 of fp32: one 128-bit load of
 #: each stream row and feature vector it holds); fp32's single forward tiles hold 16 elements per thread (at 8
 #: the 32-warp programs' 64 registers spill).
@@ -95,9 +96,11 @@ MGR = {
     ("forward", 2): dict(single_elems=8192, single_thread_elems=16, single_regs=128,
                          loop_elems=2048, loop_thread_elems=4, loop_regs=64),
     ("backward", 4): dict(single_elems=4096, single_thread_elems=8, single_regs=128,
-                          loop_elems=1024, loop_thread_elems=4, loop_regs={2: 128, 4: 128, 8: 72}),
+                          loop_elems=1024, loop_thread_elems=4, loop_regs={2: 128, 4: 128, 8: 72},
+                          inverted_loop_regs={8: 80}),
     ("backward", 2): dict(single_elems=4096, single_thread_elems=8, single_regs=128,
-                          loop_elems=1024, loop_thread_elems=4, loop_regs={2: 128, 4: 128, 8: 96}),
+                          loop_elems=1024, loop_thread_elems=4, loop_regs={2: 128, 4: 128, 8: 96},
+                          inverted_loop_regs={8: 104}),
 }
 
 #: Register limits of single tiles, past the table's: ``None``, for every target; a compute capability (90), for
@@ -163,10 +166,10 @@ def rescontroller_tile(n_cols: int, elem_bytes: int, direction: str, arch: Optio
 
 
 def mgr_tile(n_cols: int, m_out: int, elem_bytes: int, direction: str, gated: bool = True,
-             arch: Optional[int] = None) -> StreamTile:
+             arch: Optional[int] = None, inverted: bool = False) -> StreamTile:
     """Tile of the MGR step kernel for ``m_out`` output streams of ``n_cols`` features of ``elem_bytes``
-    bytes (``direction``: "forward" / "backward"; ``gated``: a gated merge, else an accumulating one) on target
-    ``arch`` (compute capability, e.g. 90; None: the shared limits)."""
+    bytes (``direction``: "forward" / "backward"; ``gated``: a gated merge, else an accumulating one; ``inverted``:
+    with the fallback inversion) on target ``arch`` (compute capability, e.g. 90; None: the shared limits)."""
     cfg = MGR[(direction, min(4, max(2, elem_bytes)))]
     block_m = max(2, triton.next_power_of_2(m_out))
     block_c = triton.next_power_of_2(max(1, n_cols))
@@ -178,6 +181,8 @@ def mgr_tile(n_cols: int, m_out: int, elem_bytes: int, direction: str, gated: bo
     warps = _warps(block_m * block_c, max(VECTOR_BYTES // elem_bytes, cfg[f"{path}_thread_elems"]))
     regs = cfg[f"{path}_regs"]
     regs = regs[block_m] if isinstance(regs, dict) else regs
+    if inverted and gated:
+        regs = cfg.get(f"inverted_{path}_regs", {}).get(block_m, regs)
     regs = _tile_regs(arch, ("mgr", direction, elem_bytes, block_m, block_c, gated), regs)
     return StreamTile(block_m, block_c, single, warps, _max_regs(regs, warps))
 

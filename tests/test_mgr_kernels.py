@@ -117,18 +117,14 @@ def test_strided_streams_need_no_copy(kern, monkeypatch, tiled):
               "gate_bias": torch.randn(m, generator=g), "forget_bias": torch.randn((), generator=g)}
     grad_out = torch.randn(c, 5, m, generator=g).permute(1, 2, 0)  # feature stride 5 * m: copied, still right
     grad_h = torch.randn(5, 2 * c, generator=g)[:, ::2]
-    got = kern.mgr_step_backward_raw(streams, u, *kern.mgr_step(streams, u, params["next_query"],
-                                                                 params["gate_query"], params["gate_bias"],
-                                                                 params["forget_bias"], 1e-6)[2:],
-                                     params["next_query"], params["gate_query"], params["gate_bias"],
-                                     params["forget_bias"], grad_out, grad_h, 1e-6)
+    p = (params["next_query"], params["gate_query"], params["gate_bias"], params["forget_bias"])
+    _, _, beta, a, _ = kern.step_forward(streams, u, *p, 1e-6)
+    got = kern.step_backward(streams, u, beta, a, *p, grad_out, grad_h, 1e-6)[:6]
     sc, uc = streams.contiguous(), u.contiguous()
-    want = kern.mgr_step_backward_raw(sc, uc, *kern.mgr_step(sc, uc, params["next_query"], params["gate_query"],
-                                                             params["gate_bias"], params["forget_bias"], 1e-6)[2:],
-                                      params["next_query"], params["gate_query"], params["gate_bias"],
-                                      params["forget_bias"], grad_out.contiguous(), grad_h.contiguous(), 1e-6)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    _, _, beta_c, a_c, _ = kern.step_forward(sc, uc, *p, 1e-6)
+    want = kern.step_backward(sc, uc, beta_c, a_c, *p, grad_out.contiguous(), grad_h.contiguous(), 1e-6)[:6]
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
     out_s, h_s, *_ = kern.mgr_step(streams, u, params["next_query"], None, None, None, 1e-6)
     out_c, h_c, *_ = kern.mgr_step(sc, uc, params["next_query"], None, None, None, 1e-6)
     torch.testing.assert_close(out_s, out_c, rtol=0, atol=0)

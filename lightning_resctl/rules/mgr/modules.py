@@ -128,16 +128,18 @@ class MGRPosition(ChainPosition):
         Returns ``(streams', h_next)``; fused on the Triton path."""
         chain = self.chain
         chain._check_stream_count(streams, self.count, lambda: self.k)
+        backend = chain.resolved_backend(streams)
         if isinstance(u, Tensor) and u.dtype != streams.dtype and u.is_floating_point():
-            if torch.is_autocast_enabled(streams.device.type):
+            if backend == "triton" and torch.promote_types(u.dtype, streams.dtype) == streams.dtype:
+                pass  # u (a bf16 branch output beside fp32 streams) converted in the kernel's registers, exactly
+            elif torch.is_autocast_enabled(streams.device.type):
                 u = u.to(streams.dtype)  # under autocast a branch returns low precision; the streams keep theirs
             else:  # type promotion as `stream + update` does
                 dtype = torch.result_type(streams, u)
                 streams, u = streams.to(dtype), u.to(dtype)
-        chain._check_update(streams, u)
+        chain._check_update(streams, u, exact_dtype=backend != "triton")
         merge = self.merge
         gq, gb, fb = merge.gate_params()
-        backend = chain.resolved_backend(streams)
         if self.first_merge and torch.is_grad_enabled() and merge.pool_query.requires_grad and not _transformed():
             u = tie_zero_grad(u, merge.pool_query)  # (for DDP; not under torch.func / forward-mode AD)
         # the position keys the inversion's run, which never runs under torch.compile: not read there (a guard)
@@ -306,8 +308,9 @@ class MGRChain(nn.Module):
         if not streams.is_floating_point():
             raise TypeError(f"{name} must be floating point, got {streams.dtype}")
 
-    def _check_update(self, streams: Tensor, u: Tensor) -> None:
-        """u: same leading dims, C, dtype (cast under autocast) and device as the streams."""
+    def _check_update(self, streams: Tensor, u: Tensor, exact_dtype: bool = True) -> None:
+        """u: same leading dims, C, dtype (cast under autocast; ``exact_dtype`` False: any dtype the streams' holds
+        exactly, the Triton kernels convert it) and device as the streams."""
         if not isinstance(u, Tensor):
             raise TypeError(f"u must be a Tensor, got {type(u).__name__}")
         want = tuple(streams.shape[:-2]) + (self.dim,)
@@ -315,7 +318,7 @@ class MGRChain(nn.Module):
             raise ValueError(f"u must have shape {want} (the streams' leading dims and C), got {tuple(u.shape)}")
         if not u.is_floating_point():
             raise TypeError(f"u must be floating point, got {u.dtype}")
-        if u.dtype != streams.dtype:
+        if u.dtype != streams.dtype and (exact_dtype or torch.promote_types(u.dtype, streams.dtype) != streams.dtype):
             raise TypeError(f"u dtype {u.dtype} does not match the streams dtype {streams.dtype}")
         if u.device != streams.device:
             raise ValueError(f"u is on {u.device}, the streams on {streams.device}")
