@@ -65,12 +65,12 @@ def mgr_case(gating="competitive", stream_dtype=torch.float32, update_dtype=None
 
 
 def attnres_case(method="attnres", stream_dtype=torch.float32, update_dtype=None) -> tuple[Counts, Counts]:
-    """One AttnRes merge (the rule's step, as a patched model's site runs it) in a chain of 8 merges, on the Triton
+    """One AttnRes merge (the rule's step, as a patched model's site runs it) in a chain of 6 merges, on the Triton
     path; the counted merge: merge 4 (for Block AttnRes with block size 2: the first merge of a block)."""
     from lightning_resctl.rules import make_rule
 
-    rule = make_rule(method, {"block_size": 2} if method == "attnres-block" else {})
-    merges = 8
+    rule = make_rule(method, {"backend": "triton", **({"block_size": 2} if method == "attnres-block" else {})})
+    merges = 6
     chain = rule.build_chain(C, merges).to(stream_dtype)
     with torch.no_grad():
         for p in chain.parameters():
@@ -85,8 +85,9 @@ def attnres_case(method="attnres", stream_dtype=torch.float32, update_dtype=None
         if update_dtype is not None:
             u = u.to(update_dtype)
         if k == 4:
+            state_in = state
             fwd, (state, h) = count_forward(lambda s=state, u=u, k=k: rule.step(chain, k, s, u, k + 1))
-            bwd_inputs, bwd_outputs = (state, u), (h,)
+            bwd_inputs, bwd_outputs = (state_in, u), (h,)
         else:
             state, h = rule.step(chain, k, state, u, k + 1)
     loss = (h.float() * _rand(*h.shape, seed=99)).sum()

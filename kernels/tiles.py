@@ -32,8 +32,9 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 
-__all__ = ["Launch", "RowTile", "StreamTile", "rescontroller_tile", "mgr_tile", "persistent_programs",
-           "programs_per_sm", "residency_key", "device_arch", "RESCONTROLLER", "MGR", "TILE_REGS"]
+__all__ = ["Launch", "RowTile", "StreamTile", "rescontroller_tile", "mgr_tile", "attnres_tile", "persistent_programs",
+           "programs_per_sm", "residency_key", "device_arch", "RESCONTROLLER", "MGR", "ATTNRES", "ATTNRES_MAX_COLS",
+           "TILE_REGS"]
 
 
 class Launch(NamedTuple):
@@ -102,6 +103,15 @@ MGR = {
                           loop_elems=1024, loop_thread_elems=4, loop_regs={2: 128, 4: 128, 8: 96},
                           inverted_loop_regs={8: 104}),
 }
+
+#: AttnRes, per direction: elements of a row per thread (at least one 128-bit load), the most warps, registers per
+#: thread; a token's row is one block (``kernels/attnres.py``: rows up to ``ATTNRES_MAX_COLS`` features).
+ATTNRES = {
+    "forward": dict(thread_bytes=16, max_warps=16, max_regs=128),
+    "backward": dict(thread_bytes=16, max_warps=16, max_regs=128),
+}
+#: The widest row the AttnRes kernels take (wider: the rule's torch path).
+ATTNRES_MAX_COLS = 8192
 
 #: Register limits of single tiles, past the table's: ``None``, for every target; a compute capability (90), for
 #: that target alone, where its ptxas allocates more than sm_80's and crosses an occupancy step (from
@@ -185,6 +195,17 @@ def mgr_tile(n_cols: int, m_out: int, elem_bytes: int, direction: str, gated: bo
         regs = cfg.get(f"inverted_{path}_regs", {}).get(block_m, regs)
     regs = _tile_regs(arch, ("mgr", direction, elem_bytes, block_m, block_c, gated), regs)
     return StreamTile(block_m, block_c, single, warps, _max_regs(regs, warps))
+
+
+def attnres_tile(n_cols: int, elem_bytes: int, direction: str, arch: Optional[int] = None) -> StreamTile:
+    """Tile of the AttnRes kernels for rows of ``n_cols`` features of ``elem_bytes`` bytes (the sources' compute
+    dtype; ``direction``: "forward" / "backward") on target ``arch``: one row per program, at least 16 bytes of it per
+    thread."""
+    cfg = ATTNRES[direction]
+    block_c = triton.next_power_of_2(max(1, n_cols))
+    warps = min(cfg["max_warps"], _warps(block_c, max(1, cfg["thread_bytes"] // elem_bytes)))
+    regs = _tile_regs(arch, ("attnres", direction, elem_bytes, block_c), cfg["max_regs"])
+    return StreamTile(1, block_c, True, warps, _max_regs(regs, warps))
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,10 +4,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ...runtime.backends import check_backend
 from ..checks import check_bool, check_eps, check_int
 from ..common import RMS_EPS
 
-__all__ = ["AttnResConfig", "BlockAttnResConfig"]
+__all__ = ["AttnResConfig", "BlockAttnResConfig", "ATTNRES_BACKENDS"]
+
+#: The backends of the depth pool: "auto" (the Triton kernels for CUDA tensors when Triton works, else torch),
+#: "torch" (plain torch ops under autograd), "triton" ("native" is an alias).
+ATTNRES_BACKENDS = ("auto", "torch", "triton", "native")
 
 
 @dataclass
@@ -16,15 +21,19 @@ class AttnResConfig:
 
     key_norm_affine: give each site a key-norm weight g (ones) besides its query (False: none).
     eps: key RMSNorm epsilon (>= 0).
+    backend: "auto" (the fused Triton kernels for CUDA tensors when Triton works, else torch), "torch" or "triton"
+        ("native" is an alias). The backend changes how the math runs, not what it computes.
     """
 
     key_norm_affine: bool = True
     eps: float = RMS_EPS
+    backend: str = "auto"
 
     def validate(self) -> "AttnResConfig":
         """Raise ValueError/TypeError naming the option and the value; returns self."""
         check_bool("key_norm_affine", self.key_norm_affine)
         check_eps("eps", self.eps)
+        check_backend(self.backend, ATTNRES_BACKENDS)
         return self
 
 
@@ -34,13 +43,14 @@ class BlockAttnResConfig:
 
     block_size: S >= 1 merges per block (None: ``num_blocks`` or the default ``2 * max(1, floor(K/16 + 1/2))``).
     num_blocks: N >= 1 blocks, S = ceil(K / N) (exclusive with block_size).
-    key_norm_affine, eps: as for ``attnres``.
+    key_norm_affine, eps, backend: as for ``attnres``.
     """
 
     block_size: Optional[int] = None
     num_blocks: Optional[int] = None
     key_norm_affine: bool = AttnResConfig.key_norm_affine
     eps: float = AttnResConfig.eps
+    backend: str = AttnResConfig.backend
 
     def validate(self) -> "BlockAttnResConfig":
         """Raise ValueError/TypeError naming the option and the value; returns self."""
