@@ -62,6 +62,8 @@ KINDS = ("accumulating", "independent", "competitive", "independent" + INVERTED,
 ARCHS = (80, 90)
 #: Rows (tokens) the byte count runs on: no other dim of a variant has this size, so it marks row tensors.
 COUNT_ROWS = 5
+#: Rows (tokens) of the compiled launches: no feature size (a per-row scalar is not a feature vector)
+AOT_ROWS = 4099
 
 #: Per-SM limits of the occupancy model (CUDA occupancy calculator values; the goals are set for 80 and 90).
 SM = {
@@ -75,7 +77,8 @@ REG_UNIT, SMEM_UNIT, SMEM_RESERVED = 256, 128, 1024
 
 
 class Variant(NamedTuple):
-    """One kernel launch the package can make: ``rule`` "rescontroller" / "mgr", ``direction`` "fwd" / "bwd"."""
+    """One kernel launch the package can make: ``rule`` "rescontroller" / "mgr" / "attnres", ``direction`` "fwd" /
+    "bwd"; MGR: ``n`` streams, ``kind`` of merge; AttnRes: ``kind`` "full" / "block" (S = 2), ``n`` the merge."""
     rule: str
     direction: str
     c: int
@@ -84,11 +87,25 @@ class Variant(NamedTuple):
     kind: Optional[str] = None
 
     def label(self) -> str:
-        extra = f" n={self.n} {self.kind}" if self.rule == "mgr" else ""
+        extra = (f" n={self.n} {self.kind}" if self.rule == "mgr" else
+                 f" {self.kind} merge {self.n} of {ATTNRES_MERGES}" if self.rule == "attnres" else "")
         return f"{self.rule} {self.direction} C={self.c} {self.dtype}{extra}"
 
 
-def variants(cs, dtypes, ns, kinds, rules=("rescontroller", "mgr")) -> list[Variant]:
+#: AttnRes variants: a chain of this many merges, merge 6 of Full AttnRes (7 completed sources and the new one) and
+#: merge 5 of Block AttnRes with S = 2 (continuing a block: the partial read, 3 completed blocks); merge 11 (the last:
+#: its backward writes the gradient buffers) and merge 0 (x into slot 0; its backward returns x's gradient)
+ATTNRES_MERGES = 12
+ATTNRES_KINDS = (("full", 6), ("block", 5), ("full", 11), ("full", 0))
+
+
+def _attnres_max_cols() -> int:
+    from lightning_resctl.runtime.triton import load_kernels
+
+    return load_kernels("tiles").ATTNRES_MAX_COLS
+
+
+def variants(cs, dtypes, ns, kinds, rules=("rescontroller", "mgr", "attnres")) -> list[Variant]:
     out = []
     for rule in rules:
         for direction in ("fwd", "bwd"):
@@ -96,6 +113,9 @@ def variants(cs, dtypes, ns, kinds, rules=("rescontroller", "mgr")) -> list[Vari
                 for dt in dtypes:
                     if rule == "rescontroller":
                         out.append(Variant(rule, direction, c, dt))
+                    elif rule == "attnres":
+                        if c <= _attnres_max_cols():  # wider rows take the rule's torch path
+                            out.extend(Variant(rule, direction, c, dt, k, kind) for kind, k in ATTNRES_KINDS)
                     else:
                         out.extend(Variant(rule, direction, c, dt, n, k) for n in ns for k in kinds)
     return out
@@ -126,6 +146,8 @@ def build(v: Variant, rows: int, device: str, arch: Optional[int] = None):
             return torch.empty(shape, dtype=dtype, device="meta")
         return torch.randn(shape, generator=gen).to(dtype)
 
+    if v.rule == "attnres":
+        return _build_attnres(v, rows, device, arch, rand, dt)
     if v.rule == "rescontroller":
         k = load_kernels("rescontroller")
         r, u, g = rand(rows, v.c), rand(rows, v.c), rand(rows, v.c)
@@ -168,15 +190,89 @@ def build(v: Variant, rows: int, device: str, arch: Optional[int] = None):
     block_m = launch.meta["BLOCK_M"]
     partials = k.partials_launch(parts, v.c, m, gated, fb is not None, block_m, torch.empty_like(w),
                                  torch.empty_like(q) if gated else None, torch.empty_like(cb) if gated else None,
-                                 torch.empty(1, device=w.device) if fb is not None else None, f32)
+                                 torch.empty(1, device=w.device) if fb is not None else None,
+                                 torch.float64 if dt == torch.float64 else f32)
     return [launch, partials], lambda: k.step_backward(streams, u, beta, a, w, q, cb, fb, grad_out, grad_h, eps,
                                                        exact=exact, deliver=inverted)
 
 
+def _build_attnres(v: Variant, rows: int, device: str, arch, rand, dt):
+    """AttnRes merge ``v.n`` of a chain of ATTNRES_MERGES: its launches and a function running the merge's forward
+    or backward after the merges before (forward) or after (backward) it ran."""
+    import torch
+
+    from lightning_resctl.runtime.triton import load_kernels
+
+    k = load_kernels("attnres")
+    f32 = torch.float64 if dt == torch.float64 else torch.float32
+    block = 1 if v.kind == "full" else 2
+    x, q, g = rand(rows, v.c), rand(v.c, dtype=f32), rand(v.c, dtype=f32)
+    us = [rand(rows, v.c) for _ in range(ATTNRES_MERGES)]
+    bufs = k.new_buffers(x, ATTNRES_MERGES, block, f32)
+    h, lse = torch.empty_like(x), torch.empty(rows, dtype=f32, device=x.device)
+    if v.direction == "fwd":
+        launches = [k.forward_launch(x, us[v.n], bufs, v.n, q, g, 1e-6, h, lse, arch)]
+
+        def run():
+            for j in range(v.n):  # the merges before write the sources (not counted: COUNT_ONLY)
+                k.merge_forward(x, us[j], bufs, j, q, g, 1e-6)
+            COUNT_ONLY.append(True)
+            k.merge_forward(x, us[v.n], bufs, v.n, q, g, 1e-6)
+        return launches, run
+    first = v.n == ATTNRES_MERGES - 1
+    bufs.grads[0] = (torch.empty_like(bufs.V), torch.empty(rows, ATTNRES_MERGES + 1, dtype=f32, device=x.device))
+    launch, partials = k.backward_launch(bufs, v.n, rand(rows, v.c), lse, q, g, 1e-6, torch.empty_like(x),
+                                         torch.empty_like(x) if v.n == 0 else None, first, arch)
+    launches = [launch, k.partials_launch(partials, q, g, torch.empty_like(q), torch.empty_like(g))]
+
+    def run():
+        lses = [k.merge_forward(x, us[j], bufs, j, q, g, 1e-6)[1] for j in range(ATTNRES_MERGES)]
+        bufs.grads[0] = None
+        meta = ((rows, v.c), us[0].dtype)
+        for j in range(ATTNRES_MERGES - 1, v.n, -1):
+            k.merge_backward(bufs, j, rand(rows, v.c), lses[j], q, g, 1e-6, meta, None)
+        COUNT_ONLY.append(True)
+        k.merge_backward(bufs, v.n, rand(rows, v.c), lses[v.n], q, g, 1e-6, meta, meta if v.n == 0 else None)
+    return launches, run
+
+
+def attnres_minimum(v: Variant) -> float:
+    """The least AttnRes merge ``v`` can move per token, in units of C elements of ``v.dtype``: each source read
+    once (in the compute dtype), x, u, dh read and h, du, dx written once in their dtype; backward, each completed
+    source's gradient read and written once (written only by the last merge's, the first backward), the partial's
+    read once (not by the first), a partial inside a block handing its gradient on; the scalars per token (the
+    log-sum-exp, each slot's D) likewise."""
+    eu = _torch_dtype(v.dtype).itemsize
+    ev = 8 if v.dtype == "fp64" else 4
+    c = v.c
+    block = 1 if v.kind == "full" else 2
+    k = v.n
+    closed = k // block + 1  # slot 0 and the completed blocks
+    prev_open = k % block != 0
+    if v.direction == "fwd":  # read: the completed sources (merge 0: x), u, P_k; write: P_{k+1}, h, lse
+        nbytes = (eu + ev if k == 0 else closed * ev) * c + eu * c + prev_open * ev * c + ev * c + eu * c + ev
+        return nbytes / (c * eu)
+    first = k == ATTNRES_MERGES - 1
+    nbytes = (closed + 1) * ev * c + eu * c + ev  # the sources, dh, lse
+    if k == 0:  # x: its gradient read (not by the first) and dx written
+        nbytes += (0 if first else ev * c + ev) + eu * c
+    else:
+        nbytes += closed * ((ev * c + ev) if first else 2 * (ev * c + ev))
+    nbytes += (0 if first else ev * c + ev) + eu * c  # the partial's gradient read, du written
+    nbytes += prev_open * (ev * c + ev)  # P_k's first gradient
+    return nbytes / (c * eu)
+
+
+#: set by an AttnRes run function when the counted launch starts (the merges before it are not counted)
+COUNT_ONLY: list = []
+
+
 def tile_of(launch) -> str:
     meta = launch.meta
-    if "SINGLE" not in meta:  # a small kernel without a tile of its own (MGR's partials sum)
-        return f"sum {meta['BLOCK_P']}x{meta['BLOCK_C']}" if "BLOCK_P" in meta else "-"
+    if "BLOCK_P" in meta:  # the backward's partials' sum
+        return f"sum {meta['BLOCK_P']}x{meta['BLOCK_C']}"
+    if "SINGLE" not in meta:  # AttnRes: one row per program
+        return f"1x{meta['BLOCK_C']}"
     if "ROWS" in meta:
         kind = "one read" if meta["SINGLE"] else "2 passes"
         return f"{meta['ROWS']}x{meta['BLOCK']} {kind}"
@@ -313,7 +409,7 @@ def aot_job(v: Variant, cap: int) -> dict:
 
     t0 = time.perf_counter()
     try:
-        launches, _ = build(v, 4096, "meta", cap)
+        launches, _ = build(v, AOT_ROWS, "meta", cap)
         stats = [compile_launch(launch, cap) for launch in launches]
         for launch, s in zip(launches, stats):
             s["vector_bits"] = feature_load_bits(launch, s["loads"], v.c)
@@ -370,6 +466,8 @@ def count_bytes(v: Variant, rows: int = COUNT_ROWS) -> dict:
 
     def call(self, *args, **kwargs):
         tensors.clear()
+        if v.rule == "attnres" and not COUNT_ONLY:  # the merges around the counted one
+            return orig[2](self, *args, **kwargs)
         for a in args:
             if hasattr(a, "data_ptr") and a.numel() > 0:
                 base = a.untyped_storage().data_ptr()
@@ -386,9 +484,13 @@ def count_bytes(v: Variant, rows: int = COUNT_ROWS) -> dict:
         run()
     finally:
         builder.create_masked_load, builder.create_masked_store, executor.__call__ = orig
+    COUNT_ONLY.clear()
     elt = _torch_dtype(v.dtype).itemsize
     moved = sum(e[3] for e in seen.values() if e[2]) / rows
     minimum = sum(e[1] - e[0] for e in seen.values() if e[2]) / rows
+    if v.rule == "attnres":  # the sources' buffer holds every merge's: the minimum is the merge's own
+        return dict(moved=moved / (v.c * elt), minimum=attnres_minimum(v),
+                    other=sum(e[3] for e in seen.values() if not e[2]) / rows / (v.c * elt))
     other = sum(e[3] for e in seen.values() if not e[2]) / rows
     unit = v.c * elt
     return dict(moved=moved / unit, minimum=minimum / unit, other=other / unit)
@@ -449,7 +551,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     p.add_argument("--n", type=int, nargs="+", default=list(STREAMS), help="MGR streams (default: %(default)s)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="MGR merge kinds")
-    p.add_argument("--rules", nargs="+", default=["rescontroller", "mgr"], choices=["rescontroller", "mgr"])
+    p.add_argument("--rules", nargs="+", default=["rescontroller", "mgr", "attnres"],
+                   choices=["rescontroller", "mgr", "attnres"])
     p.add_argument("--arch", nargs="+", default=[str(a) for a in ARCHS], choices=[*map(str, SM), "device"],
                    help="compute capabilities (default: %(default)s); 'device': this machine's CUDA device")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")

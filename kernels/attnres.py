@@ -288,7 +288,7 @@ def forward_launch(x: Tensor, u: Tensor, bufs: ChainBuffers, k: int, query: Tens
     x2, x_st = _rows(x)
     u2, u_st = _rows(u)
     arch = arch if arch is not None else device_arch(V.device)
-    tile = attnres_tile(c, V.element_size(), "forward", arch)
+    tile = attnres_tile(c, min(V.element_size(), u.element_size()), "forward", arch)  # 16 bytes of u per thread
     meta = _meta(tile, k == 0, gain is not None, V.dtype)
     programs = persistent_programs(t, tile, V.device)
     return Launch(_attnres_fwd_kernel, (programs,),
@@ -319,7 +319,7 @@ def backward_launch(bufs: ChainBuffers, k: int, grad_h: Tensor, lse: Tensor, que
     s = bufs.block
     dh2, dh_st = _rows(grad_h)
     arch = arch if arch is not None else device_arch(V.device)
-    tile = attnres_tile(c, V.element_size(), "backward", arch)
+    tile = attnres_tile(c, min(V.element_size(), grad_h.element_size()), "backward", arch)
     n_closed = k // s
     meta = _meta(tile, first, gain is not None, V.dtype, MERGE0=k == 0,
                  BLOCK_S=triton.next_power_of_2(n_closed + 2))
@@ -336,7 +336,7 @@ def partials_launch(partials: Tensor, query: Tensor, gain: Optional[Tensor], d_q
     """The backward's second launch: the query's (and key-norm weight's) gradient from the partials."""
     p, c = partials.shape
     meta = dict(HAS_G=gain is not None, BLOCK_C=PARTIALS_BLOCK_C, BLOCK_P=PARTIALS_BLOCK_P,
-                DT=_tl_dtype(partials.dtype), num_warps=1 if interpreter_mode() else 4)
+                DT=_tl_dtype(partials.dtype), num_warps=1 if interpreter_mode() else 2)  # 4 fp32 of q, g per thread
     return Launch(_attnres_partials_kernel, (triton.cdiv(c, PARTIALS_BLOCK_C),),
                   (partials, query, gain if gain is not None else query, d_query,
                    d_gain if d_gain is not None else d_query, p, c), meta)

@@ -110,8 +110,9 @@ ATTNRES = {
     "forward": dict(thread_bytes=16, max_warps=16, max_regs=128),
     "backward": dict(thread_bytes=16, max_warps=16, max_regs=128),
 }
-#: The widest row the AttnRes kernels take (wider: the rule's torch path).
-ATTNRES_MAX_COLS = 8192
+#: The widest row the AttnRes kernels take (wider: the rule's torch path; at 8192 the backward's 16-warp programs
+#: spill, benchmarks/kernels_aot.py).
+ATTNRES_MAX_COLS = 4096
 
 #: Register limits of single tiles, past the table's: ``None``, for every target; a compute capability (90), for
 #: that target alone, where its ptxas allocates more than sm_80's and crosses an occupancy step (from
@@ -198,9 +199,9 @@ def mgr_tile(n_cols: int, m_out: int, elem_bytes: int, direction: str, gated: bo
 
 
 def attnres_tile(n_cols: int, elem_bytes: int, direction: str, arch: Optional[int] = None) -> StreamTile:
-    """Tile of the AttnRes kernels for rows of ``n_cols`` features of ``elem_bytes`` bytes (the sources' compute
-    dtype; ``direction``: "forward" / "backward") on target ``arch``: one row per program, at least 16 bytes of it per
-    thread."""
+    """Tile of the AttnRes kernels for rows of ``n_cols`` features of ``elem_bytes`` bytes (the narrowest of the
+    sources' compute dtype and the update's; ``direction``: "forward" / "backward") on target ``arch``: one row per
+    program, at least 16 bytes of the narrowest per thread."""
     cfg = ATTNRES[direction]
     block_c = triton.next_power_of_2(max(1, n_cols))
     warps = min(cfg["max_warps"], _warps(block_c, max(1, cfg["thread_bytes"] // elem_bytes)))
