@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -28,7 +28,7 @@ from .inversion import InvertRun, output_streams, reconstruct_inputs, select_exa
 from .reference import mgr_step_reference
 
 __all__ = ["MGRStepFn", "TieZeroGrad", "tie_zero_grad", "torch_step_forward", "torch_step_backward", "mgr_step",
-           "check_step_backend"]
+           "check_step_backend", "MGRState", "TracedInvertStep", "traced_invert_step", "close_carry"]
 
 
 def _gates_from_logits(z: Tensor, forget_bias: Optional[Tensor]) -> Tensor:
@@ -300,6 +300,109 @@ def mgr_step(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optiona
         # own output dynamo cannot lift it into the next block's subgraph, as a view made here it can
         out = out.view_as(out)
     return out, h
+
+
+# ---------------------------------------------------------------------------------------------- inversion, traced
+class MGRState(NamedTuple):
+    """The chain's state between merges when the inversion runs under ``torch.compile`` (the rule's path): the
+    ``streams``, the last merge's ``carry`` (an output that takes no memory, its "gradient" the streams the next
+    merge's backward rebuilds: how the rebuilt streams reach the merge before, through autograd itself, so that the
+    compiler traces the inversion into the backward graph and saves no merge's input streams) and the running error
+    ``gain`` of the rows saved exactly. Eager code keeps the streams as the state (:class:`~.inversion.InvertRun`
+    does this bookkeeping there)."""
+
+    streams: Tensor
+    carry: Optional[Tensor]
+    gain: Optional[Tensor]
+
+
+class TracedInvertStep(torch.autograd.Function):
+    """One step with the fallback inversion as traced code (``torch.compile``: dynamo inlines it): the torch math
+    forward, the exact rows chosen in static shapes (:func:`~.inversion.select_exact`); saved: u, beta, a, the exact
+    rows and their indices (and the last merge's output); the per-row statistics are taken again in the backward.
+    The backward rebuilds the inputs from the output streams it gets as the carry's gradient (or, the last merge, its
+    own), and returns them as the gradient of the carry it took.
+
+    ``cfg = (eps, last, top_p, threshold, max_gain)``."""
+
+    @staticmethod
+    def forward(ctx, streams, u, next_query, gate_query, gate_bias, forget_bias, carry, gain, cfg):
+        eps, last, top_p, threshold, max_gain = cfg
+        ctx.set_materialize_grads(False)
+        lead, m, c = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
+        params = (next_query, gate_query, gate_bias, forget_bias)
+        with autocast_off(streams.device.type):
+            out, h, beta, a, _ = torch_step_forward(streams, u, *params, eps)
+        gated = gate_query is not None
+        index = exact = gain_out = None
+        if gated:
+            sel = select_exact(streams.reshape(-1, m, c), beta, gain, top_p, threshold, max_gain)
+            index, exact, gain_out = sel.index, sel.exact, sel.gain
+        # the per-row statistics are not saved: the backward takes them of the rebuilt streams (fused there)
+        ctx.save_for_backward(u if gated else None, beta, a, index, exact, out if last else None, *params)
+        ctx.shapes, ctx.eps, ctx.carried = (lead, m, c), eps, carry is not None
+        ctx.u_dtype = u.dtype
+        # the carry: an expanded scalar (no memory) the next merge takes; its gradient is this merge's output
+        new_carry = out.new_zeros(()).expand(out.shape)
+        if gain_out is None:  # an accumulating merge (they come before every gated one): no gain yet
+            gain_out = a.new_zeros(())
+        ctx.mark_non_differentiable(gain_out)
+        return out, h, new_carry, gain_out
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_h, rebuilt_out, _grad_gain):
+        refuse_second_derivative("MGR (fused step)", "backend='reference'")
+        u, beta, a, index, exact, saved_out, *params = ctx.saved_tensors
+        lead, m, c = ctx.shapes
+        out = saved_out if saved_out is not None else rebuilt_out
+        if out is None:
+            raise RuntimeError("MGR inversion under torch.compile: the output streams of a merge did not come back "
+                               "in the backward (the merge after it did not run its backward); build the chain with "
+                               "invert=False for this use")
+        rows = None
+        if params[1] is None:  # accumulating: the inputs are the output's first m streams, u its last
+            streams, u = out[..., :m, :], out[..., m, :]
+            rebuilt = streams
+        else:
+            streams, rows = None, (index, exact)
+        with autocast_off(out.device.type):
+            ds, du, dq, db, df, dw, rebuilt_gated = _torch_backward("eager", streams, u, beta, a, out, rows,
+                                                                    (None,) * 4, params, grad_out, grad_h, ctx.eps,
+                                                                    (lead, m, c))
+        if rows is not None:
+            rebuilt = rebuilt_gated
+        return (ds, du.to(ctx.u_dtype), dw, dq, db, df, rebuilt if ctx.carried else None, None, None)
+
+
+class CloseCarry(torch.autograd.Function):
+    """Hands ``streams`` on to code that is not the next inverting merge (a skipped merge, a pool, the chain's
+    diagnostics): saves them and returns them as the carry's gradient (the merge before then rebuilds its inputs
+    from them). Identity forward."""
+
+    @staticmethod
+    def forward(ctx, streams, carry):
+        ctx.save_for_backward(streams)
+        return streams.view_as(streams)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (streams,) = ctx.saved_tensors
+        return grad, streams
+
+
+def close_carry(state: MGRState) -> Tensor:
+    """The streams of a traced inversion's state, for code other than the next inverting merge."""
+    return state.streams if state.carry is None else CloseCarry.apply(state.streams, state.carry)
+
+
+def traced_invert_step(state: MGRState, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
+                       gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], *, eps: float, last: bool,
+                       top_p: float, threshold: float, max_gain: float) -> tuple[MGRState, Tensor]:
+    """One step of a chain whose inversion runs under ``torch.compile`` (:class:`TracedInvertStep`):
+    ``(state', h_next)``."""
+    out, h, carry, gain = TracedInvertStep.apply(state.streams, u, next_query, gate_query, gate_bias, forget_bias,
+                                                 state.carry, state.gain, (eps, last, top_p, threshold, max_gain))
+    return MGRState(out.view_as(out), carry, gain if gain.dim() else None), h
 
 
 class TieZeroGrad(torch.autograd.Function):
