@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._env import interpreter_mode
-from .tiles import ATTNRES_MAX_COLS, Launch, attnres_tile, device_arch, persistent_programs
+from .tiles import ATTNRES_MAX_COLS, Launch, LaunchPlans, attnres_tile, device_arch, persistent_programs
 
 __all__ = ["ChainBuffers", "new_buffers", "merge_forward", "merge_backward", "forward_launch", "backward_launch",
            "partials_launch", "Launch", "ATTNRES_MAX_COLS"]
@@ -278,6 +278,10 @@ def _rows(t: Tensor) -> tuple[Tensor, int]:
     return flat, flat.stride(0)
 
 
+#: Each call signature's launch geometry (grid, meta), worked out once
+_GEOMETRY = LaunchPlans()
+
+
 def forward_launch(x: Tensor, u: Tensor, bufs: ChainBuffers, k: int, query: Tensor, gain: Optional[Tensor],
                    eps: float, h: Tensor, lse: Tensor, arch: Optional[int] = None) -> Launch:
     """Merge ``k``'s forward launch: writes ``P_{k+1}`` into the buffer (and x into slot 0 at merge 0), ``h`` and
@@ -287,13 +291,16 @@ def forward_launch(x: Tensor, u: Tensor, bufs: ChainBuffers, k: int, query: Tens
     s = bufs.block
     x2, x_st = _rows(x)
     u2, u_st = _rows(u)
-    arch = arch if arch is not None else device_arch(V.device)
-    tile = attnres_tile(c, min(V.element_size(), u.element_size()), "forward", arch)  # 16 bytes of u per thread
-    meta = _meta(tile, k == 0, gain is not None, V.dtype)
-    programs = persistent_programs(t, tile, V.device)
-    return Launch(_attnres_fwd_kernel, (programs,),
+    key = (True, V.shape, V.dtype, u.dtype, V.device, k == 0, gain is not None, arch)
+    geo = _GEOMETRY.get(key)
+    if geo is None:
+        tile = attnres_tile(c, min(V.element_size(), u.element_size()), "forward",  # 16 bytes of u per thread
+                            arch if arch is not None else device_arch(V.device))
+        geo = ((persistent_programs(t, tile, V.device),), _meta(tile, k == 0, gain is not None, V.dtype))
+        _GEOMETRY.put(key, geo)
+    return Launch(_attnres_fwd_kernel, geo[0],
                   (x2, u2, V, query, gain if gain is not None else query, h, lse, t, c, x_st, u_st, slots * c, k, s,
-                   k // s, int(k % s != 0), eps), meta)
+                   k // s, int(k % s != 0), eps), geo[1])
 
 
 def merge_forward(x: Tensor, u: Tensor, bufs: ChainBuffers, k: int, query: Tensor, gain: Optional[Tensor],
@@ -318,12 +325,17 @@ def backward_launch(bufs: ChainBuffers, k: int, grad_h: Tensor, lse: Tensor, que
     t, slots, c = V.shape
     s = bufs.block
     dh2, dh_st = _rows(grad_h)
-    arch = arch if arch is not None else device_arch(V.device)
-    tile = attnres_tile(c, min(V.element_size(), grad_h.element_size()), "backward", arch)
     n_closed = k // s
-    meta = _meta(tile, first, gain is not None, V.dtype, MERGE0=k == 0,
-                 BLOCK_S=triton.next_power_of_2(n_closed + 2))
-    programs = persistent_programs(t, tile, V.device, MIN_TOKENS_PER_PROGRAM)
+    key = (False, V.shape, V.dtype, grad_h.dtype, V.device, k == 0, first, n_closed, gain is not None, arch)
+    geo = _GEOMETRY.get(key)
+    if geo is None:
+        tile = attnres_tile(c, min(V.element_size(), grad_h.element_size()), "backward",
+                            arch if arch is not None else device_arch(V.device))
+        geo = (persistent_programs(t, tile, V.device, MIN_TOKENS_PER_PROGRAM),
+               _meta(tile, first, gain is not None, V.dtype, MERGE0=k == 0,
+                     BLOCK_S=triton.next_power_of_2(n_closed + 2)))
+        _GEOMETRY.put(key, geo)
+    programs, meta = geo
     partials = torch.empty((programs, c), dtype=V.dtype, device=V.device)
     return Launch(_attnres_bwd_kernel, (programs,),
                   (V, dv, d2, dh2, query, gain if gain is not None else query, lse, du,
@@ -335,8 +347,12 @@ def partials_launch(partials: Tensor, query: Tensor, gain: Optional[Tensor], d_q
                     d_gain: Optional[Tensor]) -> Launch:
     """The backward's second launch: the query's (and key-norm weight's) gradient from the partials."""
     p, c = partials.shape
-    meta = dict(HAS_G=gain is not None, BLOCK_C=PARTIALS_BLOCK_C, BLOCK_P=PARTIALS_BLOCK_P,
-                DT=_tl_dtype(partials.dtype), num_warps=1 if interpreter_mode() else 2)  # 4 fp32 of q, g per thread
+    key = (gain is not None, partials.dtype)
+    meta = _GEOMETRY.get(key)
+    if meta is None:
+        meta = dict(HAS_G=gain is not None, BLOCK_C=PARTIALS_BLOCK_C, BLOCK_P=PARTIALS_BLOCK_P,
+                    DT=_tl_dtype(partials.dtype), num_warps=1 if interpreter_mode() else 2)  # 4 fp32 of q, g / thread
+        _GEOMETRY.put(key, meta)
     return Launch(_attnres_partials_kernel, (triton.cdiv(c, PARTIALS_BLOCK_C),),
                   (partials, query, gain if gain is not None else query, d_query,
                    d_gain if d_gain is not None else d_query, p, c), meta)

@@ -49,7 +49,16 @@ from torch import Tensor
 from ._env import interpreter_mode
 from ._library import register_fused_ops
 from .rows import token_stride
-from .tiles import Launch, StreamTile, device_arch, mgr_tile, persistent_programs, residency_key
+from .tiles import (
+    Launch,
+    LaunchPlans,
+    StreamTile,
+    device_arch,
+    mgr_tile,
+    persistent_programs,
+    residency_key,
+    residency_known,
+)
 
 __all__ = ["mgr_step", "mgr_step_backward", "step_forward", "step_backward", "Inversion", "ExactRows", "Launch",
            "forward_launch", "backward_launch", "partials_launch", "exact_budget"]
@@ -641,6 +650,45 @@ def exact_budget(rows: int, top_p: float, programs: int) -> int:
     return triton.cdiv(total, programs) if total else 0
 
 
+#: Each call signature's launch geometry, worked out once (the launch table, the views, the persistent grid)
+_FORWARD_GEOMETRY = LaunchPlans()
+_BACKWARD_GEOMETRY = LaunchPlans()
+_PARTIALS_META = LaunchPlans()
+
+
+class _Geometry(NamedTuple):
+    """What a step's launch takes of its call signature: the layout, the views' strides, the tile's meta, the
+    persistent grid (programs), its residency key; ``budget`` exact rows per program (inverted forward)."""
+    lead: tuple
+    m: int
+    c: int
+    m_out: int
+    gated: bool
+    cd: torch.dtype
+    t: int
+    strides: tuple
+    meta: dict
+    programs: int
+    residency: Optional[tuple]
+    budget: int
+    block_m: int
+
+
+def _geometry(plans: LaunchPlans, key: tuple, make):
+    """The geometry of ``key`` (``make()`` the first time; kept once the persistent grid's residency is known, so
+    that later launches take the compiled kernel's, ``kernels/tiles.py``)."""
+    geo = make()
+    if residency_known(geo.residency):
+        plans.put(key, geo)
+    return geo
+
+
+def _views_ok(lead_dims: int, *tensors) -> bool:
+    """Every tensor (its first ``lead_dims`` dims the tokens) is walked through its strides (no copy: a feature
+    stride of 1, one token stride)."""
+    return all(t is None or _token_view(t, lead_dims)[0] is t for t in tensors)
+
+
 def forward_launch(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
                    gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], eps: float,
                    out: Tensor, h: Tensor, beta: Tensor, a: Tensor, arch: Optional[int] = None,
@@ -648,35 +696,51 @@ def forward_launch(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: O
     """The forward kernel's launch writing ``out, h, beta, a`` (contiguous, shapes of :func:`step_forward`) for
     target ``arch`` (compute capability; None: the streams' device's), and with ``inversion`` (a gated step) the
     :class:`ExactRows` it allocates and writes."""
-    lead, m, c, m_out, gated, cd = _layout(streams, gate_query)
-    arch = arch if arch is not None else device_arch(streams.device)
-    t = math.prod(lead)
-    s2, s_st, s_sm = _stream_view(streams, len(lead))
-    u2, u_st = _token_view(u, len(lead))
-    tile = mgr_tile(c, m_out, streams.element_size(), "forward", gated, arch)
+    gated = gate_query is not None
+    invert = inversion is not None and gated
+    has_gain = invert and inversion.gain is not None
+    key = (streams.shape, streams.stride(), u.stride(), streams.dtype, u.dtype, streams.device, gated,
+           forget_bias is not None, invert, has_gain, inversion.top_p if invert else None, arch)
+    geo = _FORWARD_GEOMETRY.get(key)
+    if geo is None and not _views_ok(streams.dim() - 2, streams, u):  # copied to rows it walks (not kept: new key)
+        nl = streams.dim() - 2
+        streams, u = _stream_view(streams, nl)[0], _token_view(u, nl)[0]
+        key = None
+
+    def make() -> _Geometry:
+        lead, m, c, m_out, _, cd = _layout(streams, gate_query)
+        t = math.prod(lead)
+        tile = mgr_tile(c, m_out, streams.element_size(), "forward", gated,
+                        arch if arch is not None else device_arch(streams.device))
+        meta = dict(_meta(tile, m, m_out, gated, forget_bias is not None, streams, cd), INVERT=invert,
+                    HAS_GAIN=has_gain)
+        residency = residency_key(_mgr_fwd_kernel, streams.device, meta)
+        programs = persistent_programs(t, tile, streams.device, residency=residency)
+        budget = exact_budget(t * m, inversion.top_p, programs) if invert else 0
+        strides = (token_stride(streams, len(lead)), streams.stride(-2), token_stride(u, len(lead)))
+        return _Geometry(tuple(lead), m, c, m_out, gated, cd, t, strides, meta, programs, residency, budget,
+                         tile.block_m)
+
+    if geo is None:
+        geo = _geometry(_FORWARD_GEOMETRY, key, make) if key is not None else make()
     w = next_query.contiguous()
     q = gate_query.contiguous() if gated else w
     cb = gate_bias.contiguous() if gated else w
-    fb = forget_bias.reshape(1).contiguous() if forget_bias is not None else w
-    invert = inversion is not None and gated
-    has_gain = invert and inversion.gain is not None
-    meta = dict(_meta(tile, m, m_out, gated, forget_bias is not None, streams, cd), INVERT=invert, HAS_GAIN=has_gain)
-    key = residency_key(_mgr_fwd_kernel, streams.device, meta)
-    programs = persistent_programs(t, tile, streams.device, residency=key)
+    fb = (forget_bias if forget_bias.dim() == 1 else forget_bias.reshape(1)).contiguous() \
+        if forget_bias is not None else w
     saved = None
     inv = (0.0, 0.0, 0)
     if invert:
-        budget = exact_budget(t * m, inversion.top_p, programs)
         dev = streams.device
-        saved = ExactRows(torch.empty((*lead, m), dtype=cd, device=dev),
-                          torch.empty((*lead, m), dtype=torch.int32, device=dev),
-                          torch.empty((programs * budget, c), dtype=streams.dtype, device=dev))
-        inv = (math.log(inversion.max_gain), inversion.threshold, budget)
+        saved = ExactRows(torch.empty((*geo.lead, geo.m), dtype=geo.cd, device=dev),
+                          torch.empty((*geo.lead, geo.m), dtype=torch.int32, device=dev),
+                          torch.empty((geo.programs * geo.budget, geo.c), dtype=streams.dtype, device=dev))
+        inv = (math.log(inversion.max_gain), inversion.threshold, geo.budget)
     gain_in = inversion.gain.contiguous() if has_gain else beta
     slots = (gain_in, *saved) if saved is not None else (beta, beta, beta, out)
-    return Launch(_mgr_fwd_kernel, (programs,),
-                  (s2, u2, w, q, cb, fb, out, h, beta, a, *slots, t, c, s_st, s_sm, u_st, 1.0 / math.sqrt(c), eps,
-                   *inv), meta, key), saved
+    return Launch(_mgr_fwd_kernel, (geo.programs,),
+                  (streams, u, w, q, cb, fb, out, h, beta, a, *slots, geo.t, geo.c, *geo.strides,
+                   1.0 / math.sqrt(geo.c), eps, *inv), geo.meta, geo.residency), saved
 
 
 def step_forward(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
@@ -722,36 +786,51 @@ def backward_launch(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_qu
     ``arch`` (compute capability; None: the streams' device's). With ``exact`` (an inverted gated step)
     ``streams`` are the merge's *output* streams, and the kernel rebuilds its inputs (into ``delivered`` when
     given: contiguous, the streams' shape)."""
-    lead, m, c, m_out, gated, cd = _layout(streams, gate_query)
-    arch = arch if arch is not None else device_arch(streams.device)
-    t = math.prod(lead)
-    nl = len(lead)
-    s2, s_st, s_sm = _stream_view(streams, nl)
-    u2, u_st = _token_view(u, nl)
-    beta2 = beta.contiguous() if gated else a
-    a2 = a.contiguous()
-    go, go_st, go_sm = _stream_view(grad_out, nl) if grad_out is not None else (s2, 0, 0)
-    gh, gh_st = _token_view(grad_h, nl) if grad_h is not None else (u2, 0)
+    gated = gate_query is not None
     invert = exact is not None and gated
-    tile = mgr_tile(c, m_out, streams.element_size(), "backward", gated, arch, invert)
-    meta = dict(_meta(tile, m, m_out, gated, forget_bias is not None, streams, cd), HAS_DOUT=grad_out is not None,
-                HAS_DH=grad_h is not None, INVERT=invert, DELIVER=delivered is not None)
-    key = residency_key(_mgr_bwd_kernel, streams.device, meta)
-    p = persistent_programs(t, tile, streams.device, MIN_TOKENS_PER_PROGRAM, key)
-    dev = streams.device
+    key = (streams.shape, streams.stride(), u.stride(), None if grad_out is None else grad_out.stride(),
+           None if grad_h is None else grad_h.stride(), streams.dtype, streams.device, gated,
+           forget_bias is not None, invert, delivered is not None, arch)
+    geo = _BACKWARD_GEOMETRY.get(key)
+    if geo is None and not _views_ok(streams.dim() - 2, streams, u, grad_out, grad_h):
+        nl = streams.dim() - 2
+        streams, u = _stream_view(streams, nl)[0], _token_view(u, nl)[0]
+        grad_out = _stream_view(grad_out, nl)[0] if grad_out is not None else None
+        grad_h = _token_view(grad_h, nl)[0] if grad_h is not None else None
+        key = None
+
+    def make() -> _Geometry:
+        lead, m, c, m_out, _, cd = _layout(streams, gate_query)
+        t = math.prod(lead)
+        tile = mgr_tile(c, m_out, streams.element_size(), "backward", gated,
+                        arch if arch is not None else device_arch(streams.device), invert)
+        meta = dict(_meta(tile, m, m_out, gated, forget_bias is not None, streams, cd),
+                    HAS_DOUT=grad_out is not None, HAS_DH=grad_h is not None, INVERT=invert,
+                    DELIVER=delivered is not None)
+        residency = residency_key(_mgr_bwd_kernel, streams.device, meta)
+        p = persistent_programs(t, tile, streams.device, MIN_TOKENS_PER_PROGRAM, residency)
+        strides = (token_stride(streams, len(lead)), streams.stride(-2), token_stride(u, len(lead)),
+                   *((token_stride(grad_out, len(lead)), grad_out.stride(-2)) if grad_out is not None else (0, 0)),
+                   token_stride(grad_h, len(lead)) if grad_h is not None else 0)
+        return _Geometry(tuple(lead), m, c, m_out, gated, cd, t, strides, meta, p, residency, 0, tile.block_m)
+
+    if geo is None:
+        geo = _geometry(_BACKWARD_GEOMETRY, key, make) if key is not None else make()
+    p, c, cd, dev = geo.programs, geo.c, geo.cd, streams.device
     parts = _Partials(torch.empty((p, c), dtype=cd, device=dev) if grad_h is not None else None,
                       torch.empty((p, c), dtype=cd, device=dev) if gated else None,
-                      torch.empty((p, tile.block_m), dtype=cd, device=dev) if gated else None,
-                      torch.empty((p, tile.block_m), dtype=cd, device=dev) if gated else None)
+                      torch.empty((p, geo.block_m), dtype=cd, device=dev) if gated else None,
+                      torch.empty((p, geo.block_m), dtype=cd, device=dev) if gated else None)
     w = next_query.contiguous()
     q = gate_query.contiguous() if gated else w
     placeholder = ds
     slot, rows = (exact.slot.contiguous(), exact.exact) if invert else (placeholder, placeholder)
     launch = Launch(_mgr_bwd_kernel, (p,),
-                    (s2, u2, beta2, a2, w, q, go, gh, ds, du, delivered if delivered is not None else placeholder,
-                     slot, rows,
+                    (streams, u, beta.contiguous() if gated else a, a.contiguous(), w, q,
+                     grad_out if grad_out is not None else streams, grad_h if grad_h is not None else u, ds, du,
+                     delivered if delivered is not None else placeholder, slot, rows,
                      *(x if x is not None else placeholder for x in (parts.dq, parts.dw, parts.dc, parts.df)),
-                     t, c, s_st, s_sm, u_st, go_st, go_sm, gh_st, 1.0 / math.sqrt(c), eps), meta, key)
+                     geo.t, c, *geo.strides, 1.0 / math.sqrt(c), eps), geo.meta, geo.residency)
     return launch, parts
 
 
@@ -759,15 +838,21 @@ def partials_launch(parts: Optional[_Partials], c: int, m: int, gated: bool, com
                     dw: Tensor, dq: Optional[Tensor], db: Optional[Tensor], df: Optional[Tensor], cd) -> Launch:
     """The backward's second launch: ``dw`` (and gated ``dq``, ``db``, competitive ``df``) from the step kernel's
     partials (``parts`` None: no token, every gradient 0)."""
-    p = next((x.shape[0] for x in (parts or ()) if x is not None), 0)
-    placeholder = dw
-    args = [x if x is not None else placeholder
-            for x in ((parts.dw, parts.dq, parts.dc, parts.df) if parts is not None else (None,) * 4)]
-    meta = dict(M_IN=m, HAS_DH=parts is not None and parts.dw is not None, GATED=gated, COMPETITIVE=competitive,
-                BLOCK_M=block_m, BLOCK_C=PARTIALS_BLOCK_C, BLOCK_P=PARTIALS_BLOCK_P, DT=_tl_dtype(cd),
-                num_warps=1 if interpreter_mode() else 4)
+    if parts is None:
+        parts = _Partials(None, None, None, None)
+    p = next((x.shape[0] for x in parts if x is not None), 0)
+    has_dh = parts.dw is not None
+    key = (c, m, gated, competitive, block_m, cd, has_dh)
+    meta = _PARTIALS_META.get(key)
+    if meta is None:
+        meta = dict(M_IN=m, HAS_DH=has_dh, GATED=gated, COMPETITIVE=competitive, BLOCK_M=block_m,
+                    BLOCK_C=PARTIALS_BLOCK_C, BLOCK_P=PARTIALS_BLOCK_P, DT=_tl_dtype(cd),
+                    num_warps=1 if interpreter_mode() else 4)
+        _PARTIALS_META.put(key, meta)
     return Launch(_mgr_partials_kernel, (triton.cdiv(c, PARTIALS_BLOCK_C),),
-                  (*args, dw, *(x if x is not None else placeholder for x in (dq, db, df)), p, c), meta)
+                  (parts.dw if has_dh else dw, parts.dq if gated else dw, parts.dc if gated else dw,
+                   parts.df if gated else dw, dw, dq if gated else dw, db if gated else dw,
+                   df if df is not None else dw, p, c), meta)
 
 
 def step_backward(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_query: Tensor,
@@ -790,11 +875,12 @@ def step_backward(streams: Tensor, u: Tensor, beta: Tensor, a: Tensor, next_quer
     db = torch.empty_like(gate_bias, memory_format=torch.contiguous_format) if gated else None
     df = torch.empty(1, dtype=forget_bias.dtype, device=dev) if forget_bias is not None else None
     parts = None
-    block_m = mgr_tile(c, m_out, streams.element_size(), "backward", gated, device_arch(dev)).block_m
+    block_m = max(2, triton.next_power_of_2(m_out))
     if math.prod(lead) > 0:
         launch, parts = backward_launch(streams, u, beta, a, next_query, gate_query, forget_bias, grad_out, grad_h,
                                         eps, ds, du, exact=exact if invert else None, delivered=rebuilt)
         launch.run()
+        block_m = launch.meta["BLOCK_M"]
     partials_launch(parts, c, m, gated, forget_bias is not None, block_m, dw, dq, db, df, cd).run()
     return (ds, du, dq, db, df.reshape(forget_bias.shape) if df is not None else None, dw, rebuilt)
 

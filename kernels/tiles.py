@@ -32,9 +32,9 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 
-__all__ = ["Launch", "RowTile", "StreamTile", "rescontroller_tile", "mgr_tile", "attnres_tile", "persistent_programs",
-           "programs_per_sm", "residency_key", "device_arch", "RESCONTROLLER", "MGR", "ATTNRES", "ATTNRES_MAX_COLS",
-           "TILE_REGS"]
+__all__ = ["Launch", "LaunchPlans", "clear_launch_plans", "RowTile", "StreamTile", "rescontroller_tile", "mgr_tile",
+           "attnres_tile", "persistent_programs", "programs_per_sm", "residency_key", "residency_known",
+           "device_arch", "RESCONTROLLER", "MGR", "ATTNRES", "ATTNRES_MAX_COLS", "TILE_REGS"]
 
 
 class Launch(NamedTuple):
@@ -51,6 +51,35 @@ class Launch(NamedTuple):
         compiled = self.kernel[self.grid](*self.args, **self.meta)
         if self.residency is not None and self.residency not in _COMPILED_RESIDENCY:
             _record_residency(self.residency, compiled)
+
+
+#: Every :class:`LaunchPlans` (:func:`clear_launch_plans` forgets them all)
+_ALL_PLANS: list = []
+
+
+def clear_launch_plans() -> None:
+    """Forget every kept launch plan (after the launch table changed: tests shrink it)."""
+    for plans in _ALL_PLANS:
+        plans.plans.clear()
+
+
+class LaunchPlans:
+    """Launches already worked out, by a key of their call's signature (shapes, strides, dtypes, device, options): a
+    repeated call's host code is a dict lookup and one launch, not the launch table's arithmetic again. A plan holds
+    no tensor; ``maxsize`` plans at most (then it starts over)."""
+
+    def __init__(self, maxsize: int = 512):
+        self.maxsize = maxsize
+        self.plans: dict = {}
+        _ALL_PLANS.append(self)
+
+    def get(self, key):
+        return self.plans.get(key)
+
+    def put(self, key, plan) -> None:
+        if len(self.plans) >= self.maxsize:
+            self.plans.clear()
+        self.plans[key] = plan
 
 
 class RowTile(NamedTuple):
@@ -255,6 +284,12 @@ def _record_residency(key: tuple, compiled) -> None:
     props = torch.cuda.get_device_properties(key[1])
     _COMPILED_RESIDENCY[key] = programs_per_sm(compiled.metadata.num_warps, n_regs, compiled.metadata.shared,
                                                getattr(props, "shared_memory_per_multiprocessor", None))
+
+
+def residency_known(key: Optional[tuple]) -> bool:
+    """Whether the programs per SM of a persistent kernel are final: off CUDA (no key), or its compiled residency
+    recorded (after its first launch)."""
+    return key is None or key in _COMPILED_RESIDENCY
 
 
 def persistent_programs(items: int, tile: StreamTile, device: torch.device, min_items: int = 1,

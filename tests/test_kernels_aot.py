@@ -229,9 +229,19 @@ def test_fp64_compiles_and_its_spills_are_counted_apart(tmp_path):
     assert f"fp64 (tests only): {spilled} spilled bytes" in res.stdout
 
 
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """Launch plans made with a shrunk launch table (``monkeypatch``) are forgotten before and after each test."""
+    tiles = load_kernels("tiles")
+    tiles.clear_launch_plans()
+    yield
+    tiles.clear_launch_plans()
+
+
 def shrink_tables(monkeypatch):
     """Small single-read limits, so that small rows reach the two-pass paths in the interpreter."""
     tiles = load_kernels("tiles")
+    tiles.clear_launch_plans()
     for entry in tiles.RESCONTROLLER.values():
         monkeypatch.setitem(entry, "single_elems", 128)
         monkeypatch.setitem(entry, "loop_block", 64)

@@ -23,8 +23,18 @@ def kern():
     return load_kernels("mgr")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """Launch plans made with a shrunk launch table (``monkeypatch``) are forgotten before and after each test."""
+    tiles = load_kernels("tiles")
+    tiles.clear_launch_plans()
+    yield
+    tiles.clear_launch_plans()
+
+
 def small_tiles(monkeypatch):
     tiles = load_kernels("tiles")
+    tiles.clear_launch_plans()
     for entry in tiles.MGR.values():
         monkeypatch.setitem(entry, "single_elems", 0)
         monkeypatch.setitem(entry, "loop_elems", 64)

@@ -55,11 +55,21 @@ def forward_backward(fn, streams, u, params):
     return [out, h], grads
 
 
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """Launch plans made with a shrunk launch table (``monkeypatch``) are forgotten before and after each test."""
+    tiles = load_kernels("tiles")
+    tiles.clear_launch_plans()
+    yield
+    tiles.clear_launch_plans()
+
+
 def small_tiles(monkeypatch, single_elems=0, loop_elems=64):
     """Shrink the MGR launch table so that small shapes take the column-tiled path the GPU runs on large
     tokens: with ``single_elems=0`` every token is tiled, ``loop_elems=64`` gives 16-32 columns per tile (97
     columns: several tiles, the last one partial)."""
     tiles = load_kernels("tiles")
+    tiles.clear_launch_plans()
     for entry in tiles.MGR.values():  # every direction and element size
         assert "single_elems" in entry and "loop_elems" in entry
         monkeypatch.setitem(entry, "single_elems", single_elems)

@@ -4,15 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ...runtime.backends import check_backend
 from ..checks import check_bool, check_eps, check_int
-from ..common import RMS_EPS
+from ..common import RMS_EPS, check_rule_backend
 
-__all__ = ["AttnResConfig", "BlockAttnResConfig", "ATTNRES_BACKENDS"]
-
-#: The backends of the depth pool: "auto" (the Triton kernels for CUDA tensors when Triton works, else torch),
-#: "torch" (plain torch ops under autograd), "triton" ("native" is an alias).
-ATTNRES_BACKENDS = ("auto", "torch", "triton", "native")
+__all__ = ["AttnResConfig", "BlockAttnResConfig"]
 
 
 @dataclass
@@ -21,8 +16,9 @@ class AttnResConfig:
 
     key_norm_affine: give each site a key-norm weight g (ones) besides its query (False: none).
     eps: key RMSNorm epsilon (>= 0).
-    backend: "auto" (the fused Triton kernels for CUDA tensors when Triton works, else torch), "torch" or "triton"
-        ("native" is an alias). The backend changes how the math runs, not what it computes.
+    backend: "auto" (the fused Triton kernels for CUDA tensors when Triton works, else torch), "triton" ("native" is
+        an alias) or the torch path's names ("torch", "torch-eager", "torch-compiled", "reference": plain torch ops
+        under autograd, one path). The backend changes how the math runs, not what it computes.
     """
 
     key_norm_affine: bool = True
@@ -33,7 +29,7 @@ class AttnResConfig:
         """Raise ValueError/TypeError naming the option and the value; returns self."""
         check_bool("key_norm_affine", self.key_norm_affine)
         check_eps("eps", self.eps)
-        check_backend(self.backend, ATTNRES_BACKENDS)
+        check_rule_backend(self.backend)
         return self
 
 

@@ -41,7 +41,7 @@ class AttnResMerge(nn.Module):
 
 class AttnResChain(nn.Module):
     """One AttnRes chain: ``merges[k]`` (site k's query), the block size S (1 = Full AttnRes), the key-norm eps and
-    the backend of its depth pool (:data:`~.config.ATTNRES_BACKENDS`)."""
+    the backend of its depth pool (``AttnResConfig.backend``)."""
 
     def __init__(self, dim: int, num_merges: int, block_size: int = 1,
                  key_norm_affine: bool = AttnResConfig.key_norm_affine, eps: float = AttnResConfig.eps,

@@ -27,10 +27,9 @@ import torch
 from torch import Tensor
 
 from ...runtime.autograd import autocast_off, fp32_matmul, refuse_second_derivative
-from ...runtime.backends import check_backend, resolve_backend
+from ...runtime.backends import resolve_backend
 from ...runtime.triton import load_kernels
-from ..common import compute_dtype
-from .config import ATTNRES_BACKENDS
+from ..common import check_rule_backend, compute_dtype
 
 __all__ = ["AttnResState", "site_queries", "block_logits", "pool", "advance", "BlockState", "block_start",
            "block_advance", "block_pool", "TritonState", "uses_triton", "triton_start", "triton_step",
@@ -240,7 +239,7 @@ def uses_triton(chain, x: Tensor) -> bool:
     Triton working), outside ``torch.compile`` (which traces the torch path), rows of at most the kernels' width,
     and no saved-tensor hooks (activation checkpointing, offloading: they decide what is kept), ``torch.func``
     transform or forward-mode AD active (the torch path supports them)."""
-    if resolve_backend(check_backend(chain.backend, ATTNRES_BACKENDS), x) != "triton":
+    if resolve_backend(check_rule_backend(chain.backend), x) != "triton":
         return False
     if torch.compiler.is_compiling() or not x.is_floating_point() or x.dim() == 0:
         return False
