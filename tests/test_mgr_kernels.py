@@ -294,3 +294,78 @@ def test_device_mgr_kernels_match_reference(kern, kind, n, c, dtype):
         scale = b.float().abs().max().clamp_min(1.0)  # sum over tokens (bf16 rounding cancels less than it adds)
         atol = tol["atol"] * scale * (2.0 if dtype == torch.bfloat16 and b.dim() == 0 else 1.0)
         torch.testing.assert_close(a.cpu().float(), b.float(), rtol=tol["rtol"], atol=atol)
+
+
+@pytest.mark.parametrize("gating", ["competitive", "independent"])
+def test_device_mgr_inverted_chain_matches_reference(gating):
+    """The fused step with the fallback inversion inside the kernels (fp32 streams: the chain's default), a merge
+    with gates near 1 (its rows saved exactly), a bf16 branch output beside the fp32 streams at one merge: the
+    chain's output and gradients against the reference path."""
+    c, n, merges = 97, 4, 7
+    g = torch.Generator().manual_seed(5)
+    chain = MGRChain(c, merges, streams=n, gating=gating, backend="triton", invert_top_p=0.5)
+    with torch.no_grad():
+        for p in chain.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+        chain.merges[4].gate_bias.fill_(6.0)
+    ws = [torch.randn(c, c, generator=g) / c ** 0.5 for _ in range(merges)]
+    x0 = torch.randn(2, 3, c, generator=g)
+    results = []
+    for backend, dev in (("triton", DEVICE), ("reference", "cpu")):
+        chain.to(dev).set_backend(backend)
+        chain.zero_grad(set_to_none=True)
+        x = x0.to(dev).requires_grad_(True)
+        fs = [lambda h, w=w.to(dev), k=k: (torch.tanh(h @ w).bfloat16() if k == 5 else torch.tanh(h @ w))
+              for k, w in enumerate(ws)]
+        y = chain(x, fs)
+        (y * y).sum().backward()
+        results.append([y.cpu(), x.grad.cpu()] + [p.grad.cpu().clone() for p in chain.parameters()])
+    chain.to("cpu")
+    for a, b in zip(*results):
+        scale = b.abs().max().clamp_min(1.0).item()
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize("method", ["attnres", "attnres-block"])
+@pytest.mark.parametrize("scale", [1.0, 1e20])
+def test_device_attnres_kernels_match_reference(method, scale):
+    """Full and Block AttnRes (S = 2) on the kernels, fp32, C = 97, rows ordinary and ~1e20 (the chain input): output
+    and every gradient against the fp64 oracle."""
+    from lightning_resctl.rules import make_rule
+    from lightning_resctl.rules.attnres import attnres_chain_reference
+
+    c, merges = 97, 5
+    g = torch.Generator().manual_seed(6)
+    rule = make_rule(method, {"backend": "triton", **({"block_size": 2} if method == "attnres-block" else {})})
+    chain = rule.build_chain(c, merges)
+    with torch.no_grad():
+        for p in chain.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    ws = [torch.randn(c, c, generator=g, dtype=torch.float64) / c ** 0.5 for _ in range(merges)]
+    x0 = torch.randn(2, 3, c, generator=g, dtype=torch.float64) * scale
+
+    def kernels(x):
+        state, h = rule.start(chain, x), x
+        for k, w in enumerate(ws):
+            state, h = rule.step(chain, k, state, torch.tanh((h @ w.to(h.device, h.dtype)) / scale) * scale, k + 1)
+        return h
+
+    def oracle(x):
+        fs = [lambda h, w=w: torch.tanh((h @ w) / scale) * scale for w in ws]
+        y, _ = attnres_chain_reference(x, fs, [m.pool_query.double() for m in chain.merges],
+                                       [m.key_norm_weight.double() for m in chain.merges], chain.block_size, chain.eps)
+        return y
+
+    results = []
+    for fn, dev, dt in ((kernels, DEVICE, torch.float32), (oracle, "cpu", torch.float64)):
+        chain.to(dev).to(dt).zero_grad(set_to_none=True)
+        x = x0.to(dev, dt).requires_grad_(True)
+        y = fn(x)
+        (y / scale * torch.cos(torch.arange(y.numel(), device=dev, dtype=dt)).reshape(y.shape)).sum().backward()
+        results.append([y.cpu().double() / scale, x.grad.cpu().double() * scale]
+                       + [p.grad.cpu().double().clone() for p in chain.parameters()])
+    chain.to("cpu").float()
+    for a, b in zip(*results):
+        assert torch.isfinite(a).all()
+        tol = b.abs().max().clamp_min(1.0).item() * 2e-4
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=tol)
