@@ -70,9 +70,13 @@ def test_compiled_inversion_gradients_equal_the_saved_run_in_fp64():
         torch.testing.assert_close(a, p.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
-def test_blocks_compiled_one_by_one_invert_with_the_same_gradients(monkeypatch):
-    """Each block compiled on its own (no checkpoint): the inversion's state crosses the blocks' graphs; the
-    gradients are the eager non-inverted run's (fp64)."""
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_blocks_compiled_one_by_one_invert_with_the_same_gradients(monkeypatch, checkpointed):
+    """Each block compiled on its own (``checkpointed``: its checkpoint_wrapper compiled, the checkpoint traced by
+    dynamo, the strategy's fullgraph order): the inversion's state crosses the blocks' graphs; the gradients are
+    the eager non-inverted run's (fp64)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     from lightning_resctl.rules.mgr import ops
 
     traced = []
@@ -82,9 +86,13 @@ def test_blocks_compiled_one_by_one_invert_with_the_same_gradients(monkeypatch):
     shape = dict(layers=2, c=32, t=16, batch=2, dtype=torch.float64)
     model, idx = _model("mgr-competitive", **shape)
     torch._dynamo.reset()
-    for block in model.transformer.h if hasattr(model, "transformer") else model.h:
+    blocks = model.h
+    for i, block in enumerate(blocks):
+        if checkpointed:
+            blocks[i] = block = checkpoint_wrapper(block)
         block.compile(backend="aot_eager")
-    gpt_loss(model, idx).backward()
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        gpt_loss(model, idx).backward()
     assert traced  # the merges ran the traced inversion
     eager, idx = _model("mgr-competitive", **shape, invert=False)
     gpt_loss(eager, idx).backward()

@@ -209,14 +209,15 @@ class MGRChain(nn.Module):
             (``num_gated`` = L of the depth-aware init).
         streams: n >= 2.
         gating: ``"competitive"`` (softmax with a forget logit; gates sum to < 1) or ``"independent"``.
-        invert: fallback inversion in the backward: True, False or ``"auto"`` (fp32/fp64 streams, not under
-            ``torch.compile``).
+        invert: fallback inversion in the backward: True, False or ``"auto"`` (fp32/fp64 streams; driven by hand,
+            not under ``torch.compile``: the rule's path inverts there, :meth:`inverts_traced`).
         backend: ``"auto"``, ``"torch"`` (on CPU the math runs eagerly while one region per direction compiles in
             the background, when a C++ compiler is present; else eager), ``"torch-eager"``, ``"torch-compiled"``
             (the regions compiled before the first call returns), ``"triton"`` (alias ``"native"``) or
             ``"reference"``.
         b_base, l_base, beta_init_max: the depth-aware init (see :func:`mgr_bias_init`).
-        invert_top_p, invert_threshold, invert_max_gain: which rows the inversion saves exactly.
+        invert_top_p, invert_threshold, invert_max_gain: the budget of rows the inversion saves exactly (a fraction
+            of a merge's rows) and which rows need it.
         eps: RMSNorm epsilon.
         config: all of these options as one :class:`MGRConfig` instead of the keywords (what the rule passes);
             refused together with an option keyword that differs from its default.

@@ -402,7 +402,9 @@ def traced_invert_step(state: MGRState, u: Tensor, next_query: Tensor, gate_quer
     ``(state', h_next)``."""
     out, h, carry, gain = TracedInvertStep.apply(state.streams, u, next_query, gate_query, gate_bias, forget_bias,
                                                  state.carry, state.gain, (eps, last, top_p, threshold, max_gain))
-    return MGRState(out.view_as(out), carry, gain if gain.dim() else None), h
+    # the state goes on to the next merge, also across checkpointed blocks' subgraphs: as views made here (not the
+    # Function's own outputs) dynamo can lift them into the next subgraph (as mgr_step's streams)
+    return MGRState(out.view_as(out), carry.view_as(carry), gain.view_as(gain) if gain.dim() else None), h
 
 
 class TieZeroGrad(torch.autograd.Function):
