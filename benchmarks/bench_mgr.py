@@ -12,6 +12,9 @@ Prints, for n in {4, 8} and C in {768, 2048}:
 
 Usage: python benchmarks/bench_mgr.py [--tokens T] [--reps R] [--threads K] [--clock wall|cpu] [--no-compile]
 (CPU default: 256 tokens, ~2 minutes; GPU default: 16384 tokens.)
+       python benchmarks/bench_mgr.py --kernels [--dtypes fp32 bf16] [--streams 4 8] [--dims 768 2048 4096]
+(GPU: the fused kernels alone, forward and forward + backward, fp32 also inverted, as % of the device's copy bandwidth
+at the bytes each must move, beside torch.compile of the reference: issue 55's device goals.)
 """
 from __future__ import annotations
 
@@ -187,6 +190,77 @@ def lower_bound(args, n, c, device, dtype):
     return t_fused, t_copy, lb
 
 
+def copy_bandwidth(device, nbytes=1 << 30) -> float:
+    """The device's copy bandwidth (bytes read + written per second) on a ``nbytes`` buffer."""
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timer(lambda: dst.copy_(src), 20, device)
+
+
+def kernel_rows(args, n, c, dtype, device, bandwidth):
+    """The fused kernels alone (a gated competitive step and its backward; fp32 also with the fallback inversion),
+    against the bytes each must move (its minimum: kernels/mgr.py) at the device's copy bandwidth, and torch.compile
+    of the reference at the same shape: ``[(label, ms forward, % bw, ms fwd + bwd, % bw, compile ms fwd, fwd + bwd)]``.
+    """
+    from lightning_resctl.runtime.triton import load_kernels
+
+    k = load_kernels("mgr")
+    g = torch.Generator().manual_seed(0)
+    t = args.tokens
+    s = torch.randn(t, n, c, generator=g).to(device, dtype)
+    u = torch.randn(t, c, generator=g).to(device, dtype)
+    w, q = (torch.randn(c, generator=g).to(device) * 0.1 for _ in range(2))
+    cb, fb = torch.randn(n, generator=g).to(device), torch.tensor(-1.0).to(device)
+    gy, gh = torch.randn_like(s), torch.randn_like(u)
+    e = s.element_size()
+    fwd_bytes = (2 * n + 2) * c * e * t  # read S, u; write S', h
+    rows = []
+    for inverted in ((False, True) if dtype == torch.float32 else (False,)):
+        inv = k.Inversion(None, 0.05, 0.5, 8.0) if inverted else None
+        out, h, beta, a, exact = k.step_forward(s, u, w, q, cb, fb, 1e-6, inv)
+        x = out if inverted else s
+        bwd_bytes = ((2 * n + 2) + (n + 1) + (n if inverted else 0)) * c * e * t  # + the rebuilt inputs
+        t_f = timer(lambda: k.step_forward(s, u, w, q, cb, fb, 1e-6, inv), args.reps, device)
+        t_b = timer(lambda: k.step_backward(x, u, beta, a, w, q, cb, fb, gy, gh, 1e-6, exact=exact,
+                                            deliver=inverted), args.reps, device)
+        rows.append((f"triton{' inverted' if inverted else ''}", t_f, fwd_bytes / t_f / bandwidth, t_f + t_b,
+                     (fwd_bytes + bwd_bytes) / (t_f + t_b) / bandwidth))
+    if args.compile:
+        compiled = torch.compile(mgr_step_reference, dynamic=False)
+        sr, ur = s.clone().requires_grad_(True), u.clone().requires_grad_(True)
+        wr, qr, cbr, fbr = (p.clone().requires_grad_(True) for p in (w, q, cb, fb))
+
+        def comp_fb():
+            o, hh = compiled(sr, ur, wr, qr, cbr, fbr)
+            torch.autograd.backward([o, hh], [gy, gh])
+
+        with torch.no_grad():
+            t_cf = timer(lambda: compiled(s, u, w, q, cb, fb), args.reps, device)
+        t_cfb = timer(comp_fb, args.reps, device)
+        rows = [r + (t_cf, t_cfb) for r in rows]
+    return rows
+
+
+def kernels_table(args, device):
+    """issue 55's device goals for MGR: the fused kernels >= 80 % of the copy bandwidth forward and forward +
+    backward, fp32 and bf16, C in {768, 2048, 4096}, n in {4, 8}, never slower than torch.compile of the reference."""
+    bandwidth = copy_bandwidth(device)
+    print(f"\nfused kernels alone, {args.tokens} tokens, % of the copy bandwidth ({bandwidth / 1e9:.0f} GB/s) at the "
+          "bytes each must move; torch.compile of the reference beside (goal: >= 80 %, never slower than compile)")
+    head = f"  {'dtype':<9}{'n':>3}{'C':>6}  {'kernel':<18}{'fwd ms':>8}{'%bw':>6}{'f+b ms':>9}{'%bw':>6}"
+    print(head + (f"{'compile fwd':>13}{'f+b':>8}{'triton/compile f+b':>21}" if args.compile else ""))
+    for dtype in args.dtypes:
+        for n in args.streams:
+            for c in args.dims:
+                for row in kernel_rows(args, n, c, dtype, device, bandwidth):
+                    label, tf, bf, tfb, bfb, *comp = row
+                    line = (f"  {str(dtype).removeprefix('torch.'):<9}{n:>3}{c:>6}  {label:<18}{tf * 1e3:>8.3f}"
+                            f"{bf:>6.0%}{tfb * 1e3:>9.3f}{bfb:>6.0%}")
+                    if comp:
+                        line += f"{comp[0] * 1e3:>13.3f}{comp[1] * 1e3:>8.3f}{tfb / comp[1]:>20.2f}x"
+                    print(line, flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=None)
@@ -197,7 +271,11 @@ def main(argv=None):
                     help="cpu: CPU time of the main thread (steadier on a shared CPU; use with --threads 1)")
     ap.add_argument("--streams", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--dims", type=int, nargs="+", default=[768, 2048])
+    ap.add_argument("--kernels", action="store_true",
+                    help="GPU: only the fused kernels' table (% of copy bandwidth, vs compile), --dtypes")
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     args = ap.parse_args(argv)
+    args.dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in args.dtypes]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -212,6 +290,12 @@ def main(argv=None):
     stat = "best" if device.type == "cpu" else "median"
     print(f"MGR merge benchmark on {name}, torch {torch.__version__}, {args.tokens} tokens, fp32, "
           f"{stat} {clock} of {args.reps}")
+    if args.kernels:
+        if device.type == "cuda" and triton_available():
+            kernels_table(args, device)
+        else:
+            print("the fused kernels' bandwidth table waits for a GPU")
+        return
     print("\nper-merge time as a ratio to a plain residual add at the same shapes (forward | forward+backward)")
     for n in args.streams:
         for c in args.dims:

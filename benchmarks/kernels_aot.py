@@ -56,10 +56,14 @@ GRID_C = (64, 256, 768, 1024, 2048, 4096, 8192, 16384, 32768)
 #: tests only); its spills are summed apart and do not fail the run.
 DTYPES = ("fp32", "bf16", "fp16", "fp64")
 STREAMS = (2, 4, 8)
-KINDS = ("accumulating", "independent", "competitive")
+#: MGR merge kinds; "<gating> inverted": a gated merge with the fallback inversion (fp32 streams' default)
+INVERTED = " inverted"
+KINDS = ("accumulating", "independent", "competitive", "independent" + INVERTED, "competitive" + INVERTED)
 ARCHS = (80, 90)
 #: Rows (tokens) the byte count runs on: no other dim of a variant has this size, so it marks row tensors.
 COUNT_ROWS = 5
+#: Rows (tokens) of the compiled launches: no feature size (a per-row scalar is not a feature vector)
+AOT_ROWS = 4099
 
 #: Per-SM limits of the occupancy model (CUDA occupancy calculator values; the goals are set for 80 and 90).
 SM = {
@@ -73,7 +77,8 @@ REG_UNIT, SMEM_UNIT, SMEM_RESERVED = 256, 128, 1024
 
 
 class Variant(NamedTuple):
-    """One kernel launch the package can make: ``rule`` "rescontroller" / "mgr", ``direction`` "fwd" / "bwd"."""
+    """One kernel launch the package can make: ``rule`` "rescontroller" / "mgr" / "attnres", ``direction`` "fwd" /
+    "bwd"; MGR: ``n`` streams, ``kind`` of merge; AttnRes: ``kind`` "full" / "block" (S = 2), ``n`` the merge."""
     rule: str
     direction: str
     c: int
@@ -82,11 +87,25 @@ class Variant(NamedTuple):
     kind: Optional[str] = None
 
     def label(self) -> str:
-        extra = f" n={self.n} {self.kind}" if self.rule == "mgr" else ""
+        extra = (f" n={self.n} {self.kind}" if self.rule == "mgr" else
+                 f" {self.kind} merge {self.n} of {ATTNRES_MERGES}" if self.rule == "attnres" else "")
         return f"{self.rule} {self.direction} C={self.c} {self.dtype}{extra}"
 
 
-def variants(cs, dtypes, ns, kinds, rules=("rescontroller", "mgr")) -> list[Variant]:
+#: AttnRes variants: a chain of this many merges, merge 6 of Full AttnRes (7 completed sources and the new one) and
+#: merge 5 of Block AttnRes with S = 2 (continuing a block: the partial read, 3 completed blocks); merge 11 (the last:
+#: its backward writes the gradient buffers) and merge 0 (x into slot 0; its backward returns x's gradient)
+ATTNRES_MERGES = 12
+ATTNRES_KINDS = (("full", 6), ("block", 5), ("full", 11), ("full", 0))
+
+
+def _attnres_max_cols() -> int:
+    from lightning_resctl.runtime.triton import load_kernels
+
+    return load_kernels("tiles").ATTNRES_MAX_COLS
+
+
+def variants(cs, dtypes, ns, kinds, rules=("rescontroller", "mgr", "attnres")) -> list[Variant]:
     out = []
     for rule in rules:
         for direction in ("fwd", "bwd"):
@@ -94,6 +113,9 @@ def variants(cs, dtypes, ns, kinds, rules=("rescontroller", "mgr")) -> list[Vari
                 for dt in dtypes:
                     if rule == "rescontroller":
                         out.append(Variant(rule, direction, c, dt))
+                    elif rule == "attnres":
+                        if c <= _attnres_max_cols():  # wider rows take the rule's torch path
+                            out.extend(Variant(rule, direction, c, dt, k, kind) for kind, k in ATTNRES_KINDS)
                     else:
                         out.extend(Variant(rule, direction, c, dt, n, k) for n in ns for k in kinds)
     return out
@@ -124,6 +146,8 @@ def build(v: Variant, rows: int, device: str, arch: Optional[int] = None):
             return torch.empty(shape, dtype=dtype, device="meta")
         return torch.randn(shape, generator=gen).to(dtype)
 
+    if v.rule == "attnres":
+        return _build_attnres(v, rows, device, arch, rand, dt)
     if v.rule == "rescontroller":
         k = load_kernels("rescontroller")
         r, u, g = rand(rows, v.c), rand(rows, v.c), rand(rows, v.c)
@@ -141,24 +165,114 @@ def build(v: Variant, rows: int, device: str, arch: Optional[int] = None):
     w = rand(v.c, dtype=f32)
     q = rand(v.c, dtype=f32) if gated else None
     cb = rand(v.n, dtype=f32) if gated else None
-    fb = rand(dtype=f32) if v.kind == "competitive" else None
+    fb = rand(dtype=f32) if v.kind.startswith("competitive") else None
     eps = 1e-6
+    inverted = v.kind.endswith(INVERTED)
+    inversion = k.Inversion(None, 0.05, 0.5, 8.0) if inverted else None
     if v.direction == "fwd":
         outs = (torch.empty(rows, v.n, v.c, dtype=dt, device=streams.device), torch.empty_like(u),
                 torch.empty(rows, m if gated else 0, dtype=f32, device=streams.device),
                 torch.empty(rows, v.n, dtype=f32, device=streams.device))
-        launches = [k.forward_launch(streams, u, w, q, cb, fb, eps, *outs, arch=arch)]
-        return launches, lambda: k.mgr_step(streams, u, w, q, cb, fb, eps)
+        launch, _ = k.forward_launch(streams, u, w, q, cb, fb, eps, *outs, arch=arch, inversion=inversion)
+        return [launch], lambda: k.step_forward(streams, u, w, q, cb, fb, eps, inversion)
     beta = rand(rows, m if gated else 0, dtype=f32).softmax(-1) if gated else None
     a = rand(rows, v.n, dtype=f32).softmax(-1)
     grad_out, grad_h = rand(rows, v.n, v.c), rand(rows, v.c)
-    launch, _ = k.backward_launch(streams, u, beta, a, w, q, fb, grad_out, grad_h, eps,
-                                  torch.empty_like(streams), torch.empty_like(u), arch=arch)
-    return [launch], lambda: k.mgr_step_backward_raw(streams, u, beta, a, w, q, cb, fb, grad_out, grad_h, eps)
+    exact = None
+    if inverted:  # the forward's exact rows: a budget of rows, their slots
+        _, _, _, _, exact = k.step_forward(streams, u, w, q, cb, fb, eps, inversion) if device != "meta" else (
+            None, None, None, None, k.ExactRows(None, torch.full((rows, m), -1, dtype=torch.int32, device="meta"),
+                                                torch.empty(8, v.c, dtype=dt, device="meta")))
+    delivered = torch.empty_like(streams) if inverted else None
+    launch, parts = k.backward_launch(streams, u, beta, a, w, q, fb, grad_out, grad_h, eps,
+                                      torch.empty_like(streams), torch.empty_like(u), arch=arch, exact=exact,
+                                      delivered=delivered)
+    block_m = launch.meta["BLOCK_M"]
+    partials = k.partials_launch(parts, v.c, m, gated, fb is not None, block_m, torch.empty_like(w),
+                                 torch.empty_like(q) if gated else None, torch.empty_like(cb) if gated else None,
+                                 torch.empty(1, device=w.device) if fb is not None else None,
+                                 torch.float64 if dt == torch.float64 else f32)
+    return [launch, partials], lambda: k.step_backward(streams, u, beta, a, w, q, cb, fb, grad_out, grad_h, eps,
+                                                       exact=exact, deliver=inverted)
+
+
+def _build_attnres(v: Variant, rows: int, device: str, arch, rand, dt):
+    """AttnRes merge ``v.n`` of a chain of ATTNRES_MERGES: its launches and a function running the merge's forward
+    or backward after the merges before (forward) or after (backward) it ran."""
+    import torch
+
+    from lightning_resctl.runtime.triton import load_kernels
+
+    k = load_kernels("attnres")
+    f32 = torch.float64 if dt == torch.float64 else torch.float32
+    block = 1 if v.kind == "full" else 2
+    x, q, g = rand(rows, v.c), rand(v.c, dtype=f32), rand(v.c, dtype=f32)
+    us = [rand(rows, v.c) for _ in range(ATTNRES_MERGES)]
+    bufs = k.new_buffers(x, ATTNRES_MERGES, block, f32)
+    h, lse = torch.empty_like(x), torch.empty(rows, dtype=f32, device=x.device)
+    if v.direction == "fwd":
+        launches = [k.forward_launch(x, us[v.n], bufs, v.n, q, g, 1e-6, h, lse, arch)]
+
+        def run():
+            for j in range(v.n):  # the merges before write the sources (not counted: COUNT_ONLY)
+                k.merge_forward(x, us[j], bufs, j, q, g, 1e-6)
+            COUNT_ONLY.append(True)
+            k.merge_forward(x, us[v.n], bufs, v.n, q, g, 1e-6)
+        return launches, run
+    first = v.n == ATTNRES_MERGES - 1
+    bufs.grads[0] = (torch.empty_like(bufs.V), torch.empty(rows, ATTNRES_MERGES + 1, dtype=f32, device=x.device))
+    launch, partials = k.backward_launch(bufs, v.n, rand(rows, v.c), lse, q, g, 1e-6, torch.empty_like(x),
+                                         torch.empty_like(x) if v.n == 0 else None, first, arch)
+    launches = [launch, k.partials_launch(partials, q, g, torch.empty_like(q), torch.empty_like(g))]
+
+    def run():
+        lses = [k.merge_forward(x, us[j], bufs, j, q, g, 1e-6)[1] for j in range(ATTNRES_MERGES)]
+        bufs.grads[0] = None
+        meta = ((rows, v.c), us[0].dtype)
+        for j in range(ATTNRES_MERGES - 1, v.n, -1):
+            k.merge_backward(bufs, j, rand(rows, v.c), lses[j], q, g, 1e-6, meta, None)
+        COUNT_ONLY.append(True)
+        k.merge_backward(bufs, v.n, rand(rows, v.c), lses[v.n], q, g, 1e-6, meta, meta if v.n == 0 else None)
+    return launches, run
+
+
+def attnres_minimum(v: Variant) -> float:
+    """The least AttnRes merge ``v`` can move per token, in units of C elements of ``v.dtype``: each source read
+    once (in the compute dtype), x, u, dh read and h, du, dx written once in their dtype; backward, each completed
+    source's gradient read and written once (written only by the last merge's, the first backward), the partial's
+    read once (not by the first), a partial inside a block handing its gradient on; the scalars per token (the
+    log-sum-exp, each slot's D) likewise."""
+    eu = _torch_dtype(v.dtype).itemsize
+    ev = 8 if v.dtype == "fp64" else 4
+    c = v.c
+    block = 1 if v.kind == "full" else 2
+    k = v.n
+    closed = k // block + 1  # slot 0 and the completed blocks
+    prev_open = k % block != 0
+    if v.direction == "fwd":  # read: the completed sources (merge 0: x), u, P_k; write: P_{k+1}, h, lse
+        nbytes = (eu + ev if k == 0 else closed * ev) * c + eu * c + prev_open * ev * c + ev * c + eu * c + ev
+        return nbytes / (c * eu)
+    first = k == ATTNRES_MERGES - 1
+    nbytes = (closed + 1) * ev * c + eu * c + ev  # the sources, dh, lse
+    if k == 0:  # x: its gradient read (not by the first) and dx written
+        nbytes += (0 if first else ev * c + ev) + eu * c
+    else:
+        nbytes += closed * ((ev * c + ev) if first else 2 * (ev * c + ev))
+    nbytes += (0 if first else ev * c + ev) + eu * c  # the partial's gradient read, du written
+    nbytes += prev_open * (ev * c + ev)  # P_k's first gradient
+    return nbytes / (c * eu)
+
+
+#: set by an AttnRes run function when the counted launch starts (the merges before it are not counted)
+COUNT_ONLY: list = []
 
 
 def tile_of(launch) -> str:
     meta = launch.meta
+    if "BLOCK_P" in meta:  # the backward's partials' sum
+        return f"sum {meta['BLOCK_P']}x{meta['BLOCK_C']}"
+    if "SINGLE" not in meta:  # AttnRes: one row per program
+        return f"1x{meta['BLOCK_C']}"
     if "ROWS" in meta:
         kind = "one read" if meta["SINGLE"] else "2 passes"
         return f"{meta['ROWS']}x{meta['BLOCK']} {kind}"
@@ -295,7 +409,7 @@ def aot_job(v: Variant, cap: int) -> dict:
 
     t0 = time.perf_counter()
     try:
-        launches, _ = build(v, 4096, "meta", cap)
+        launches, _ = build(v, AOT_ROWS, "meta", cap)
         stats = [compile_launch(launch, cap) for launch in launches]
         for launch, s in zip(launches, stats):
             s["vector_bits"] = feature_load_bits(launch, s["loads"], v.c)
@@ -303,12 +417,13 @@ def aot_job(v: Variant, cap: int) -> dict:
         st["vector_bits"] = {k: b for s in stats for k, b in s["vector_bits"].items()}
         st["spill"] = sum(s["spill"] for s in stats)
         st["occupancy"] = min(occupancy(s["regs"], s["smem"], s["warps"], cap) for s in stats)
-        if v.rule == "mgr":  # persistent grids: the programs per SM the launch code sizes them for vs resident
-            tiles = load_kernels("tiles")
+        persistent = [(launch, s) for launch, s in zip(launches, stats) if "maxnreg" in launch.meta]
+        if v.rule == "mgr" and persistent:  # persistent grids: the programs per SM the launch code sizes them for
+            tiles = load_kernels("tiles")  # vs resident (the backward's partials sum is not persistent)
             st["grid_per_sm"] = max(tiles.programs_per_sm(launch.meta["num_warps"], launch.meta["maxnreg"])
-                                    for launch in launches)
+                                    for launch, _ in persistent)
             st["resident_per_sm"] = min(round(occupancy(s["regs"], s["smem"], s["warps"], cap) * SM[cap]["warps"])
-                                        // s["warps"] for s in stats)
+                                        // s["warps"] for _, s in persistent)
         st["tile"] = ", ".join(tile_of(launch) for launch in launches)
         st["error"] = None
     except Exception as e:  # reported per variant, counted in the summary
@@ -351,6 +466,8 @@ def count_bytes(v: Variant, rows: int = COUNT_ROWS) -> dict:
 
     def call(self, *args, **kwargs):
         tensors.clear()
+        if v.rule == "attnres" and not COUNT_ONLY:  # the merges around the counted one
+            return orig[2](self, *args, **kwargs)
         for a in args:
             if hasattr(a, "data_ptr") and a.numel() > 0:
                 base = a.untyped_storage().data_ptr()
@@ -367,9 +484,13 @@ def count_bytes(v: Variant, rows: int = COUNT_ROWS) -> dict:
         run()
     finally:
         builder.create_masked_load, builder.create_masked_store, executor.__call__ = orig
+    COUNT_ONLY.clear()
     elt = _torch_dtype(v.dtype).itemsize
     moved = sum(e[3] for e in seen.values() if e[2]) / rows
     minimum = sum(e[1] - e[0] for e in seen.values() if e[2]) / rows
+    if v.rule == "attnres":  # the sources' buffer holds every merge's: the minimum is the merge's own
+        return dict(moved=moved / (v.c * elt), minimum=attnres_minimum(v),
+                    other=sum(e[3] for e in seen.values() if not e[2]) / rows / (v.c * elt))
     other = sum(e[3] for e in seen.values() if not e[2]) / rows
     unit = v.c * elt
     return dict(moved=moved / unit, minimum=minimum / unit, other=other / unit)
@@ -430,7 +551,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     p.add_argument("--n", type=int, nargs="+", default=list(STREAMS), help="MGR streams (default: %(default)s)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="MGR merge kinds")
-    p.add_argument("--rules", nargs="+", default=["rescontroller", "mgr"], choices=["rescontroller", "mgr"])
+    p.add_argument("--rules", nargs="+", default=["rescontroller", "mgr", "attnres"],
+                   choices=["rescontroller", "mgr", "attnres"])
     p.add_argument("--arch", nargs="+", default=[str(a) for a in ARCHS], choices=[*map(str, SM), "device"],
                    help="compute capabilities (default: %(default)s); 'device': this machine's CUDA device")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")

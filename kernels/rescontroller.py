@@ -26,12 +26,15 @@ scalars either way, so fp64 results match the fp64 oracle to ~1e-7 relative).
 Inputs are read through their strides (rows of a column slice, a channels-first tensor moved to features-last:
 no copies); outputs get the residual's layout.
 
-The kernels are wrapped as ``torch.library.custom_op`` ops ``lightning_resctl::rescontroller_fwd``
-and ``lightning_resctl::rescontroller_bwd`` with fake (meta) implementations and a registered
-autograd formula (``_library.register_fused_ops``), so ``torch.compile(fullgraph=True)`` sees one opaque op per
-direction.
+:func:`merge_forward` / :func:`merge_backward` launch them (no autograd: the rule's eager path wraps them in one
+``autograd.Function``, the least a call costs on the host). Under ``torch.compile`` they are the
+``torch.library.custom_op`` ops ``lightning_resctl::rescontroller_fwd`` and ``lightning_resctl::rescontroller_bwd``,
+with fake (meta) implementations and a registered autograd formula (``_library.register_fused_ops``), so
+``torch.compile(fullgraph=True)`` sees one opaque op per direction.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import triton
@@ -41,9 +44,10 @@ from torch import Tensor
 from ._env import interpreter_mode
 from ._library import register_fused_ops
 from .rows import row_grid
-from .tiles import Launch, RowTile, device_arch, rescontroller_tile
+from .tiles import Launch, LaunchPlans, RowTile, device_arch, rescontroller_tile
 
-__all__ = ["rescontroller_fwd", "rescontroller_bwd", "Launch", "forward_launch", "backward_launch"]
+__all__ = ["merge_forward", "merge_backward", "rescontroller_fwd", "rescontroller_bwd", "Launch", "forward_launch",
+           "backward_launch"]
 
 #: Rows whose max-abs reaches this have their moments taken of r/k, u/k (k a power of two): no overflow of the
 #: squares for rows ~1e20 in fp32. Same value as lightning_resctl.rules.rescontroller.SCALE_THRESHOLD.
@@ -354,17 +358,57 @@ def _out_like(residual: Tensor, update: Tensor) -> Tensor:
     return torch.empty_like(residual, dtype=torch.promote_types(residual.dtype, update.dtype))
 
 
+#: The launches of earlier calls, by their tensors' signature (the outputs' layout follows from the inputs')
+_PLANS = LaunchPlans()
+
+
+def _run_planned(key, tensors: tuple, make: Callable[[], Launch]) -> None:
+    """Launch ``make()`` for ``tensors``, or the plan an earlier call with the same ``key`` left (its launch on these
+    tensors: no launch-table arithmetic). A launch that copies its tensors (strides no row grid walks) is not
+    kept."""
+    plan = _PLANS.get(key)
+    if plan is not None:
+        kernel, grid, rest, meta = plan
+        kernel[grid](*tensors, *rest, **meta)
+        return
+    launch = make()
+    if all(a is t for a, t in zip(launch.args, tensors)):
+        _PLANS.put(key, (launch.kernel, launch.grid, launch.args[len(tensors):], launch.meta))
+    launch.run()
+
+
+def merge_forward(residual: Tensor, update: Tensor, opts: tuple) -> Tensor:
+    """``out = r + s_u s_s u`` per row of same-shaped ``(*lead, C)`` tensors (features last, any strides; ``out``
+    has the residual's layout): one launch, no autograd (``opts``: the five float options in order)."""
+    out = _out_like(residual, update)
+    if out.numel() == 0:
+        return out
+    key = (True, residual.shape, residual.stride(), update.stride(), residual.dtype, update.dtype, residual.device,
+           opts)
+    _run_planned(key, (residual, update, out), lambda: forward_launch(residual, update, out, opts))
+    return out
+
+
+def merge_backward(grad_out: Tensor, residual: Tensor, update: Tensor, opts: tuple) -> tuple[Tensor, Tensor]:
+    """``(grad_r, grad_u)`` of the merge per row of same-shaped ``(*lead, C)`` tensors (any strides; each gradient
+    has its input's layout): one launch."""
+    grad_r = torch.empty_like(residual)
+    grad_u = torch.empty_like(update)
+    if grad_r.numel() == 0:
+        return grad_r, grad_u
+    key = (False, residual.shape, grad_out.stride(), residual.stride(), update.stride(), grad_out.dtype,
+           residual.dtype, update.dtype, residual.device, opts)
+    _run_planned(key, (grad_out, residual, update, grad_r, grad_u),
+                 lambda: backward_launch(grad_out, residual, update, grad_r, grad_u, opts))
+    return grad_r, grad_u
+
+
 def _rescontroller_fwd(
     residual: Tensor, update: Tensor,
     update_ratio: float, stream_ratio: float, update_softness: float, stream_softness: float, eps: float,
 ) -> Tensor:
-    """``out = r + s_u s_s u`` per row of same-shaped ``(*lead, C)`` tensors (features last, any strides;
-    ``out`` has the residual's layout)."""
-    out = _out_like(residual, update)
-    if out.numel() == 0:
-        return out
-    forward_launch(residual, update, out, (update_ratio, stream_ratio, update_softness, stream_softness, eps)).run()
-    return out
+    """The op: :func:`merge_forward`."""
+    return merge_forward(residual, update, (update_ratio, stream_ratio, update_softness, stream_softness, eps))
 
 
 def _rescontroller_fwd_fake(residual, update, update_ratio, stream_ratio, update_softness, stream_softness, eps):
@@ -375,15 +419,9 @@ def _rescontroller_bwd(
     grad_out: Tensor, residual: Tensor, update: Tensor,
     update_ratio: float, stream_ratio: float, update_softness: float, stream_softness: float, eps: float,
 ) -> tuple[Tensor, Tensor]:
-    """``(grad_r, grad_u)`` of the merge per row of same-shaped ``(*lead, C)`` tensors (any strides; each
-    gradient has its input's layout)."""
-    grad_r = torch.empty_like(residual)
-    grad_u = torch.empty_like(update)
-    if grad_r.numel() == 0:
-        return grad_r, grad_u
-    backward_launch(grad_out, residual, update, grad_r, grad_u,
-                    (update_ratio, stream_ratio, update_softness, stream_softness, eps)).run()
-    return grad_r, grad_u
+    """The op: :func:`merge_backward`."""
+    return merge_backward(grad_out, residual, update,
+                          (update_ratio, stream_ratio, update_softness, stream_softness, eps))
 
 
 def _rescontroller_bwd_fake(grad_out, residual, update, update_ratio, stream_ratio, update_softness, stream_softness,

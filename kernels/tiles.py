@@ -32,8 +32,9 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 
-__all__ = ["Launch", "RowTile", "StreamTile", "rescontroller_tile", "mgr_tile", "persistent_programs",
-           "programs_per_sm", "residency_key", "device_arch", "RESCONTROLLER", "MGR", "TILE_REGS"]
+__all__ = ["Launch", "LaunchPlans", "clear_launch_plans", "RowTile", "StreamTile", "rescontroller_tile", "mgr_tile",
+           "attnres_tile", "persistent_programs", "programs_per_sm", "residency_key", "residency_known",
+           "device_arch", "RESCONTROLLER", "MGR", "ATTNRES", "ATTNRES_MAX_COLS", "TILE_REGS"]
 
 
 class Launch(NamedTuple):
@@ -50,6 +51,35 @@ class Launch(NamedTuple):
         compiled = self.kernel[self.grid](*self.args, **self.meta)
         if self.residency is not None and self.residency not in _COMPILED_RESIDENCY:
             _record_residency(self.residency, compiled)
+
+
+#: Every :class:`LaunchPlans` (:func:`clear_launch_plans` forgets them all)
+_ALL_PLANS: list = []
+
+
+def clear_launch_plans() -> None:
+    """Forget every kept launch plan (after the launch table changed: tests shrink it)."""
+    for plans in _ALL_PLANS:
+        plans.plans.clear()
+
+
+class LaunchPlans:
+    """Launches already worked out, by a key of their call's signature (shapes, strides, dtypes, device, options): a
+    repeated call's host code is a dict lookup and one launch, not the launch table's arithmetic again. A plan holds
+    no tensor; ``maxsize`` plans at most (then it starts over)."""
+
+    def __init__(self, maxsize: int = 512):
+        self.maxsize = maxsize
+        self.plans: dict = {}
+        _ALL_PLANS.append(self)
+
+    def get(self, key):
+        return self.plans.get(key)
+
+    def put(self, key, plan) -> None:
+        if len(self.plans) >= self.maxsize:
+            self.plans.clear()
+        self.plans[key] = plan
 
 
 class RowTile(NamedTuple):
@@ -85,7 +115,8 @@ RESCONTROLLER = {
 #: MGR, per direction and element size (bytes of the streams' dtype), per path (``single``: a token's tile
 #: read once; ``loop``: column tiles): ``single_elems`` largest tile (block_m * block_c) read once,
 #: ``loop_elems`` the column tile's elements; ``*_thread_elems`` elements of the tile per thread; ``*_regs``
-#: registers per thread (lowered to 64 for 32-warp programs; a dict: per block_m).
+#: registers per thread (lowered to 64 for 32-warp programs; a dict: per block_m); ``inverted_*_regs``: the inverted
+#: backward's (it rebuilds the inputs beside its output and writes them: more live values), per block_m.
 #: Each thread holds at least 16 bytes of the tile (8 elements of 2-byte streams, 4 of fp32: one 128-bit load of
 #: each stream row and feature vector it holds); fp32's single forward tiles hold 16 elements per thread (at 8
 #: the 32-warp programs' 64 registers spill).
@@ -95,10 +126,22 @@ MGR = {
     ("forward", 2): dict(single_elems=8192, single_thread_elems=16, single_regs=128,
                          loop_elems=2048, loop_thread_elems=4, loop_regs=64),
     ("backward", 4): dict(single_elems=4096, single_thread_elems=8, single_regs=128,
-                          loop_elems=1024, loop_thread_elems=4, loop_regs={2: 128, 4: 128, 8: 72}),
+                          loop_elems=1024, loop_thread_elems=4, loop_regs={2: 128, 4: 128, 8: 72},
+                          inverted_loop_regs={8: 80}),
     ("backward", 2): dict(single_elems=4096, single_thread_elems=8, single_regs=128,
-                          loop_elems=1024, loop_thread_elems=4, loop_regs={2: 128, 4: 128, 8: 96}),
+                          loop_elems=1024, loop_thread_elems=4, loop_regs={2: 128, 4: 128, 8: 96},
+                          inverted_loop_regs={8: 104}),
 }
+
+#: AttnRes, per direction: elements of a row per thread (at least one 128-bit load), the most warps, registers per
+#: thread; a token's row is one block (``kernels/attnres.py``: rows up to ``ATTNRES_MAX_COLS`` features).
+ATTNRES = {
+    "forward": dict(thread_bytes=16, max_warps=16, max_regs=128),
+    "backward": dict(thread_bytes=16, max_warps=16, max_regs=128),
+}
+#: The widest row the AttnRes kernels take (wider: the rule's torch path; at 8192 the backward's 16-warp programs
+#: spill, benchmarks/kernels_aot.py).
+ATTNRES_MAX_COLS = 4096
 
 #: Register limits of single tiles, past the table's: ``None``, for every target; a compute capability (90), for
 #: that target alone, where its ptxas allocates more than sm_80's and crosses an occupancy step (from
@@ -163,10 +206,10 @@ def rescontroller_tile(n_cols: int, elem_bytes: int, direction: str, arch: Optio
 
 
 def mgr_tile(n_cols: int, m_out: int, elem_bytes: int, direction: str, gated: bool = True,
-             arch: Optional[int] = None) -> StreamTile:
+             arch: Optional[int] = None, inverted: bool = False) -> StreamTile:
     """Tile of the MGR step kernel for ``m_out`` output streams of ``n_cols`` features of ``elem_bytes``
-    bytes (``direction``: "forward" / "backward"; ``gated``: a gated merge, else an accumulating one) on target
-    ``arch`` (compute capability, e.g. 90; None: the shared limits)."""
+    bytes (``direction``: "forward" / "backward"; ``gated``: a gated merge, else an accumulating one; ``inverted``:
+    with the fallback inversion) on target ``arch`` (compute capability, e.g. 90; None: the shared limits)."""
     cfg = MGR[(direction, min(4, max(2, elem_bytes)))]
     block_m = max(2, triton.next_power_of_2(m_out))
     block_c = triton.next_power_of_2(max(1, n_cols))
@@ -178,8 +221,21 @@ def mgr_tile(n_cols: int, m_out: int, elem_bytes: int, direction: str, gated: bo
     warps = _warps(block_m * block_c, max(VECTOR_BYTES // elem_bytes, cfg[f"{path}_thread_elems"]))
     regs = cfg[f"{path}_regs"]
     regs = regs[block_m] if isinstance(regs, dict) else regs
+    if inverted and gated:
+        regs = cfg.get(f"inverted_{path}_regs", {}).get(block_m, regs)
     regs = _tile_regs(arch, ("mgr", direction, elem_bytes, block_m, block_c, gated), regs)
     return StreamTile(block_m, block_c, single, warps, _max_regs(regs, warps))
+
+
+def attnres_tile(n_cols: int, elem_bytes: int, direction: str, arch: Optional[int] = None) -> StreamTile:
+    """Tile of the AttnRes kernels for rows of ``n_cols`` features of ``elem_bytes`` bytes (the narrowest of the
+    sources' compute dtype and the update's; ``direction``: "forward" / "backward") on target ``arch``: one row per
+    program, at least 16 bytes of the narrowest per thread."""
+    cfg = ATTNRES[direction]
+    block_c = triton.next_power_of_2(max(1, n_cols))
+    warps = min(cfg["max_warps"], _warps(block_c, max(1, cfg["thread_bytes"] // elem_bytes)))
+    regs = _tile_regs(arch, ("attnres", direction, elem_bytes, block_c), cfg["max_regs"])
+    return StreamTile(1, block_c, True, warps, _max_regs(regs, warps))
 
 
 @functools.lru_cache(maxsize=None)
@@ -228,6 +284,12 @@ def _record_residency(key: tuple, compiled) -> None:
     props = torch.cuda.get_device_properties(key[1])
     _COMPILED_RESIDENCY[key] = programs_per_sm(compiled.metadata.num_warps, n_regs, compiled.metadata.shared,
                                                getattr(props, "shared_memory_per_multiprocessor", None))
+
+
+def residency_known(key: Optional[tuple]) -> bool:
+    """Whether the programs per SM of a persistent kernel are final: off CUDA (no key), or its compiled residency
+    recorded (after its first launch)."""
+    return key is None or key in _COMPILED_RESIDENCY
 
 
 def persistent_programs(items: int, tile: StreamTile, device: torch.device, min_items: int = 1,

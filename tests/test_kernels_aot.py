@@ -156,7 +156,7 @@ def test_subset_compiles_without_spills_at_quarter_occupancy(tmp_path):
     """Every kernel on its one-read path (C=64) and its two-pass path (C=32768), both targets, bf16, n=8,
     a gated and an accumulating MGR merge: no compile failure, no spill, occupancy >= 25 %."""
     res, data = run_aot(tmp_path, "--C", "64", "32768", "--dtypes", "bf16", "--n", "8", "--kinds", "competitive",
-                        "accumulating")
+                        "accumulating", "--rules", "rescontroller", "mgr")
     rows = data["rows"]
     seen = set()
     for row in rows:
@@ -176,6 +176,21 @@ def test_subset_compiles_without_spills_at_quarter_occupancy(tmp_path):
                     for arch in ("sm_80", "sm_90") for single in (True, False)}
     assert "0 compile failures, 0 spilled bytes" in res.stdout
     assert data["summary"]["narrow_loads"] == 0 and data["summary"]["overfull_grids"] == 0
+
+
+def test_attnres_and_inverted_mgr_compile_without_spills(tmp_path):
+    """The AttnRes kernels (Full and Block AttnRes; a middle merge, the last, the first) at the widest row they take
+    and at C=768, and MGR's inverted step (n=4, C=768: one read), sm_90, bf16: no spill, occupancy >= 25 %,
+    every feature vector loaded 128 bits at a time."""
+    res, data = run_aot(tmp_path, "--rules", "attnres", "mgr", "--C", "768", "4096", "--dtypes", "bf16", "--n", "4",
+                        "--kinds", "competitive inverted", "--arch", "90")
+    rows = data["rows"]
+    assert {r["variant"]["rule"] for r in rows} == {"attnres", "mgr"}
+    for row in rows:
+        assert row["error"] is None and row["spill"] == 0 and row["stack"] == 0, row
+        assert row["occupancy"] >= 0.25, row
+        assert row["vector_bits"] and all(bits == 128 for bits in row["vector_bits"].values()), row
+    assert "0 compile failures, 0 spilled bytes" in res.stdout
 
 
 def test_bf16_multi_row_tiles_load_feature_vectors_128_bits(tmp_path):
@@ -202,7 +217,7 @@ def test_fp64_compiles_and_its_spills_are_counted_apart(tmp_path):
     for tests only): it compiles, keeps >= 25 % occupancy and computes in fp64; its spills are summed apart and do
     not fail the run, while any spill of fp32/bf16/fp16 would."""
     res, data = run_aot(tmp_path, "--C", "64", "--dtypes", "fp64", "--n", "8", "--kinds", "competitive", "--arch",
-                        "90")
+                        "90", "--rules", "rescontroller", "mgr")
     rows, summary = data["rows"], data["summary"]
     assert len(rows) == 4 and all(r["variant"]["dtype"] == "fp64" for r in rows)
     for row in rows:
@@ -214,9 +229,19 @@ def test_fp64_compiles_and_its_spills_are_counted_apart(tmp_path):
     assert f"fp64 (tests only): {spilled} spilled bytes" in res.stdout
 
 
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """Launch plans made with a shrunk launch table (``monkeypatch``) are forgotten before and after each test."""
+    tiles = load_kernels("tiles")
+    tiles.clear_launch_plans()
+    yield
+    tiles.clear_launch_plans()
+
+
 def shrink_tables(monkeypatch):
     """Small single-read limits, so that small rows reach the two-pass paths in the interpreter."""
     tiles = load_kernels("tiles")
+    tiles.clear_launch_plans()
     for entry in tiles.RESCONTROLLER.values():
         monkeypatch.setitem(entry, "single_elems", 128)
         monkeypatch.setitem(entry, "loop_block", 64)
@@ -256,3 +281,23 @@ def test_mgr_bytes_moved(monkeypatch, direction, c, kind):
     assert got["minimum"] == pytest.approx(minimum, rel=1e-12)
     extra = 0 if c == 40 else row_inputs  # C=40: one 4 x 64 tile; C=200: 4 x 256 > 512, tiled
     assert got["moved"] == pytest.approx(minimum + extra, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind, k", [("full", 6), ("block", 5), ("full", 11), ("full", 0)])
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_attnres_bytes_moved(direction, kind, k):
+    """Per token, an AttnRes merge moves its minimum (kernels_aot.attnres_minimum: each source read once, its
+    gradient read and written once, the outputs written once): a middle merge of Full AttnRes, one continuing a
+    block, the last (its backward writes the gradient buffers), the first (x into slot 0, x's gradient out)."""
+    got = aot.count_bytes(aot.Variant("attnres", direction, 40, "fp32", k, kind))
+    assert got["moved"] == pytest.approx(got["minimum"], rel=1e-12)
+    assert got["minimum"] == pytest.approx(aot.attnres_minimum(aot.Variant("attnres", direction, 40, "fp32", k, kind)))
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_inverted_mgr_bytes_moved(monkeypatch, direction):
+    """The inverted MGR step (n=4, one tile) moves the rule's minimum: forward as without inversion (the exact rows,
+    slots and gain are the few extra), backward reading the output streams and writing the rebuilt inputs too."""
+    shrink_tables(monkeypatch)
+    got = aot.count_bytes(aot.Variant("mgr", direction, 40, "fp32", 4, "competitive inverted"))
+    assert got["moved"] == pytest.approx(got["minimum"], rel=1e-12)

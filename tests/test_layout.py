@@ -357,7 +357,7 @@ def test_only_a_rules_ops_reaches_the_kernels():
                 found.append(f"{path.relative_to(RULES)}:{node.lineno} imports {module} {names}")
     assert found == []
     users = sorted(str(p.relative_to(RULES)) for p in RULES.rglob("ops.py") if KERNELS_LOADER in p.read_text())
-    assert users == ["mgr/ops.py", "rescontroller/ops.py"]
+    assert users == ["attnres/ops.py", "mgr/ops.py", "rescontroller/ops.py"]
 
 
 def test_rule_files_use_each_others_public_names_only():

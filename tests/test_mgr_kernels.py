@@ -55,11 +55,21 @@ def forward_backward(fn, streams, u, params):
     return [out, h], grads
 
 
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """Launch plans made with a shrunk launch table (``monkeypatch``) are forgotten before and after each test."""
+    tiles = load_kernels("tiles")
+    tiles.clear_launch_plans()
+    yield
+    tiles.clear_launch_plans()
+
+
 def small_tiles(monkeypatch, single_elems=0, loop_elems=64):
     """Shrink the MGR launch table so that small shapes take the column-tiled path the GPU runs on large
     tokens: with ``single_elems=0`` every token is tiled, ``loop_elems=64`` gives 16-32 columns per tile (97
     columns: several tiles, the last one partial)."""
     tiles = load_kernels("tiles")
+    tiles.clear_launch_plans()
     for entry in tiles.MGR.values():  # every direction and element size
         assert "single_elems" in entry and "loop_elems" in entry
         monkeypatch.setitem(entry, "single_elems", single_elems)
@@ -117,18 +127,14 @@ def test_strided_streams_need_no_copy(kern, monkeypatch, tiled):
               "gate_bias": torch.randn(m, generator=g), "forget_bias": torch.randn((), generator=g)}
     grad_out = torch.randn(c, 5, m, generator=g).permute(1, 2, 0)  # feature stride 5 * m: copied, still right
     grad_h = torch.randn(5, 2 * c, generator=g)[:, ::2]
-    got = kern.mgr_step_backward_raw(streams, u, *kern.mgr_step(streams, u, params["next_query"],
-                                                                 params["gate_query"], params["gate_bias"],
-                                                                 params["forget_bias"], 1e-6)[2:],
-                                     params["next_query"], params["gate_query"], params["gate_bias"],
-                                     params["forget_bias"], grad_out, grad_h, 1e-6)
+    p = (params["next_query"], params["gate_query"], params["gate_bias"], params["forget_bias"])
+    _, _, beta, a, _ = kern.step_forward(streams, u, *p, 1e-6)
+    got = kern.step_backward(streams, u, beta, a, *p, grad_out, grad_h, 1e-6)[:6]
     sc, uc = streams.contiguous(), u.contiguous()
-    want = kern.mgr_step_backward_raw(sc, uc, *kern.mgr_step(sc, uc, params["next_query"], params["gate_query"],
-                                                             params["gate_bias"], params["forget_bias"], 1e-6)[2:],
-                                      params["next_query"], params["gate_query"], params["gate_bias"],
-                                      params["forget_bias"], grad_out.contiguous(), grad_h.contiguous(), 1e-6)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    _, _, beta_c, a_c, _ = kern.step_forward(sc, uc, *p, 1e-6)
+    want = kern.step_backward(sc, uc, beta_c, a_c, *p, grad_out.contiguous(), grad_h.contiguous(), 1e-6)[:6]
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
     out_s, h_s, *_ = kern.mgr_step(streams, u, params["next_query"], None, None, None, 1e-6)
     out_c, h_c, *_ = kern.mgr_step(sc, uc, params["next_query"], None, None, None, 1e-6)
     torch.testing.assert_close(out_s, out_c, rtol=0, atol=0)
@@ -288,3 +294,77 @@ def test_device_mgr_kernels_match_reference(kern, kind, n, c, dtype):
         scale = b.float().abs().max().clamp_min(1.0)  # sum over tokens (bf16 rounding cancels less than it adds)
         atol = tol["atol"] * scale * (2.0 if dtype == torch.bfloat16 and b.dim() == 0 else 1.0)
         torch.testing.assert_close(a.cpu().float(), b.float(), rtol=tol["rtol"], atol=atol)
+
+
+@pytest.mark.parametrize("gating", ["competitive", "independent"])
+def test_device_mgr_inverted_chain_matches_reference(gating):
+    """The fused step with the fallback inversion inside the kernels (fp32 streams: the chain's default), a merge
+    with gates near 1 (its rows saved exactly): the chain's output and gradients against the reference path (a bf16
+    branch output beside the streams: test_mgr_inversion_kernels.py)."""
+    c, n, merges = 97, 4, 7
+    g = torch.Generator().manual_seed(5)
+    chain = MGRChain(c, merges, streams=n, gating=gating, backend="triton", invert_top_p=0.5)
+    with torch.no_grad():
+        for p in chain.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+        chain.merges[4].gate_bias.fill_(6.0)
+    ws = [torch.randn(c, c, generator=g) / c ** 0.5 for _ in range(merges)]
+    x0 = torch.randn(2, 3, c, generator=g)
+    results = []
+    for backend, dev in (("triton", DEVICE), ("reference", "cpu")):
+        chain.to(dev).set_backend(backend)
+        chain.zero_grad(set_to_none=True)
+        x = x0.to(dev).requires_grad_(True)
+        fs = [lambda h, w=w.to(dev): torch.tanh(h @ w) for w in ws]
+        y = chain(x, fs)
+        (y * y).sum().backward()
+        results.append([y.cpu(), x.grad.cpu()] + [p.grad.cpu().clone() for p in chain.parameters()])
+    chain.to("cpu")
+    for a, b in zip(*results):
+        scale = b.abs().max().clamp_min(1.0).item()
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize("method", ["attnres", "attnres-block"])
+@pytest.mark.parametrize("scale", [1.0, 1e20])
+def test_device_attnres_kernels_match_reference(method, scale):
+    """Full and Block AttnRes (S = 2) on the kernels, fp32, C = 97, rows ordinary and ~1e20 (the chain input): output
+    and every gradient against the fp64 oracle."""
+    from lightning_resctl.rules import make_rule
+    from lightning_resctl.rules.attnres import attnres_chain_reference
+
+    c, merges = 97, 5
+    g = torch.Generator().manual_seed(6)
+    rule = make_rule(method, {"backend": "triton", **({"block_size": 2} if method == "attnres-block" else {})})
+    chain = rule.build_chain(c, merges)
+    with torch.no_grad():
+        for p in chain.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    ws = [torch.randn(c, c, generator=g, dtype=torch.float64) / c ** 0.5 for _ in range(merges)]
+    x0 = torch.randn(2, 3, c, generator=g, dtype=torch.float64) * scale
+
+    def kernels(x):
+        state, h = rule.start(chain, x), x
+        for k, w in enumerate(ws):
+            state, h = rule.step(chain, k, state, torch.tanh((h @ w.to(h.device, h.dtype)) / scale) * scale, k + 1)
+        return h
+
+    def oracle(x):
+        fs = [lambda h, w=w: torch.tanh((h @ w) / scale) * scale for w in ws]
+        y, _ = attnres_chain_reference(x, fs, [m.pool_query.double() for m in chain.merges],
+                                       [m.key_norm_weight.double() for m in chain.merges], chain.block_size, chain.eps)
+        return y
+
+    results = []
+    for fn, dev, dt in ((kernels, DEVICE, torch.float32), (oracle, "cpu", torch.float64)):
+        chain.to(dev).to(dt).zero_grad(set_to_none=True)
+        x = x0.to(dev, dt).requires_grad_(True)
+        y = fn(x)
+        (y / scale * torch.cos(torch.arange(y.numel(), device=dev, dtype=dt)).reshape(y.shape)).sum().backward()
+        results.append([y.cpu().double() / scale, x.grad.cpu().double() * scale]
+                       + [p.grad.cpu().double().clone() for p in chain.parameters()])
+    chain.to("cpu").float()
+    for a, b in zip(*results):
+        assert torch.isfinite(a).all()
+        tol = b.abs().max().clamp_min(1.0).item() * 2e-4
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=tol)

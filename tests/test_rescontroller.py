@@ -238,11 +238,21 @@ def test_non_contiguous_inputs(backend):
     _check_path_vs_reference(backend, r, u, atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """Launch plans made with a shrunk launch table (``monkeypatch``) are forgotten before and after each test."""
+    tiles = lightning_resctl.runtime.triton.load_kernels("tiles")
+    tiles.clear_launch_plans()
+    yield
+    tiles.clear_launch_plans()
+
+
 def small_tiles(monkeypatch, single_elems, loop_block, tile_bytes=64):
     """Shrink the ResController launch table so that small shapes reach the loop paths the GPU runs on long
     rows (``single_elems``: longest row read once; ``loop_block``: column block of longer rows;
     ``tile_bytes``: bytes of one tensor per program for short rows)."""
     tiles = lightning_resctl.runtime.triton.load_kernels("tiles")
+    tiles.clear_launch_plans()
     for entry in tiles.RESCONTROLLER.values():
         for key, value in (("single_elems", single_elems), ("loop_block", loop_block), ("tile_bytes", tile_bytes)):
             assert key in entry

@@ -40,13 +40,16 @@ class AttnResMerge(nn.Module):
 
 
 class AttnResChain(nn.Module):
-    """One AttnRes chain: ``merges[k]`` (site k's query), the block size S (1 = Full AttnRes) and the key-norm eps."""
+    """One AttnRes chain: ``merges[k]`` (site k's query), the block size S (1 = Full AttnRes), the key-norm eps and
+    the backend of its depth pool (``AttnResConfig.backend``)."""
 
     def __init__(self, dim: int, num_merges: int, block_size: int = 1,
-                 key_norm_affine: bool = AttnResConfig.key_norm_affine, eps: float = AttnResConfig.eps):
+                 key_norm_affine: bool = AttnResConfig.key_norm_affine, eps: float = AttnResConfig.eps,
+                 backend: str = AttnResConfig.backend):
         super().__init__()
         self.dim, self.num_merges, self.block_size = int(dim), int(num_merges), int(block_size)
         self.eps = float(eps)
+        self.backend = backend
         self.merges = nn.ModuleList(AttnResMerge(k, dim, key_norm_affine) for k in range(num_merges))
 
     def reset_parameters(self) -> None:
@@ -58,7 +61,7 @@ class AttnResChain(nn.Module):
         return max(num_sources(t, self.block_size) for t in range(1, self.num_merges + 1))
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_merges={self.num_merges}, block_size={self.block_size}"
+        return f"dim={self.dim}, num_merges={self.num_merges}, block_size={self.block_size}, backend={self.backend!r}"
 
 
 class BlockAttnResPosition(ChainPosition):

@@ -21,15 +21,19 @@ the modules sit over these ops, which do not import them.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ...runtime.autograd import autocast_off, fp32_matmul
+from ...runtime.autograd import autocast_off, fp32_matmul, refuse_second_derivative
+from ...runtime.backends import resolve_backend
+from ...runtime.triton import load_kernels
+from ..common import check_rule_backend, compute_dtype
 
 __all__ = ["AttnResState", "site_queries", "block_logits", "pool", "advance", "BlockState", "block_start",
-           "block_advance", "block_pool"]
+           "block_advance", "block_pool", "TritonState", "uses_triton", "triton_start", "triton_step",
+           "triton_to_sources"]
 
 
 class AttnResState(NamedTuple):
@@ -208,3 +212,99 @@ def block_pool(state: BlockState, query: Tensor, eps: float) -> tuple[Tensor, Te
     if state.open:
         h = h + alpha[..., m:] * p
     return h, alpha
+
+
+# ---------------------------------------------------------------------------------------------- the Triton path
+class TritonState(NamedTuple):
+    """A chain's state on the Triton path (``kernels/attnres.py``): its sources in one buffer per forward (``bufs``:
+    slot 0 x, slot j + 1 the partial block after merge j), the chain input ``x``, the last merge's ``carry`` (an
+    output of one element the next merge takes as input: autograd then runs the merges' backwards in reverse order,
+    each after every later reader of its sources) and ``t``, the merges run so far."""
+
+    bufs: Any
+    x: Tensor
+    carry: Optional[Tensor]
+    t: int
+
+    def sources(self) -> list:
+        """The sources entering merge ``t``: x, the completed blocks, the partial (views of the buffer)."""
+        v, s = self.bufs.V, self.bufs.block
+        shape = self.x.shape
+        out = [self.x.to(v.dtype)] + [v[:, i * s].reshape(shape) for i in range(1, self.t // s + 1)]
+        return out + ([v[:, self.t].reshape(shape)] if self.t % s else [])
+
+
+def uses_triton(chain, x: Tensor) -> bool:
+    """Whether a chain starting at ``x`` runs on the Triton kernels: its backend resolves to them for ``x`` (CUDA,
+    Triton working), outside ``torch.compile`` (which traces the torch path), rows of at most the kernels' width,
+    and no saved-tensor hooks (activation checkpointing, offloading: they decide what is kept), ``torch.func``
+    transform or forward-mode AD active (the torch path supports them)."""
+    if resolve_backend(check_rule_backend(chain.backend), x) != "triton":
+        return False
+    if torch.compiler.is_compiling() or not x.is_floating_point() or x.dim() == 0:
+        return False
+    if torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0:
+        return False
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return False
+    return 0 < x.shape[-1] <= load_kernels("attnres").ATTNRES_MAX_COLS
+
+
+def triton_start(chain, x: Tensor) -> TritonState:
+    """The state entering the first merge: the buffers of this forward (one allocation; merge 0 writes x)."""
+    bufs = load_kernels("attnres").new_buffers(x, chain.num_merges, chain.block_size, compute_dtype(x))
+    return TritonState(bufs, x, None, 0)
+
+
+class _TritonMerge(torch.autograd.Function):
+    """Merge k on the Triton kernels (one launch forward, two backward): ``(h, carry)`` from ``u`` and the site's
+    query (and key-norm weight); merge 0 also takes x, the others the previous merge's carry. Saves the log-sum-exp
+    per token (the sources are in the chain's buffer)."""
+
+    @staticmethod
+    def forward(ctx, u, query, gain, x, carry, cfg):
+        bufs, k, eps = cfg
+        ctx.set_materialize_grads(False)
+        h, lse = load_kernels("attnres").merge_forward(x if x is not None else u, u, bufs, k, query, gain, eps)
+        ctx.save_for_backward(lse, query, gain)
+        ctx.cfg = cfg
+        ctx.metas = ((u.shape, u.dtype), (x.shape, x.dtype) if x is not None else None)
+        ctx.carried = carry is not None
+        return h, lse.new_empty(())  # the carry (one element, the compute dtype: its gradient is made alike)
+
+    @staticmethod
+    def backward(ctx, grad_h, _grad_carry):
+        refuse_second_derivative("attnres (Triton kernels)", "backend='torch'")
+        lse, query, gain = ctx.saved_tensors
+        bufs, k, eps = ctx.cfg
+        u_meta, x_meta = ctx.metas
+        du, dx, dq, dg = load_kernels("attnres").merge_backward(bufs, k, grad_h, lse, query, gain, eps, u_meta,
+                                                                x_meta)
+        carry = lse.new_empty(()) if ctx.carried else None  # (read by nothing: the order is what it carries)
+        return du, dq, dg, dx, carry, None
+
+
+def triton_step(chain, k: int, state: TritonState, u: Tensor) -> tuple[TritonState, Tensor]:
+    """Merge ``u`` as merge ``k`` (the next in order) and pool the sources with site k's query: ``(state, h)``, h in
+    u's dtype."""
+    site = chain.merges[k]
+    gain = site.key_norm_weight if site.key_norm_affine else None
+    h, carry = _TritonMerge.apply(u, site.pool_query, gain, state.x if k == 0 else None, state.carry,
+                                  (state.bufs, k, chain.eps))
+    return TritonState(state.bufs, state.x, carry, k + 1), h
+
+
+def triton_to_sources(chain, state: TritonState) -> AttnResState:
+    """The same sources as the torch path's state (views of the buffer), for a forward that leaves the merges'
+    order (a merge skipped or not run): gradients do not flow through the views, so only without grad mode."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "attnres on the Triton kernels: a merge ran out of order or was skipped (an ablation, a merge that does "
+            "not run in this mode) while gradients are recorded; the kernels keep the sources for the backward in "
+            "merge order. Use backend='torch' for this model, or run such forwards under torch.no_grad()")
+    queries = site_queries(chain, state.bufs.V.dtype)
+    s, t = chain.block_size, state.t
+    *blocks, partial = state.sources() if t % s else (*state.sources(), None)
+    first = tuple(0 if i == 0 else i * s - 1 for i in range(len(blocks)))  # block i closed at merge i S - 1
+    logits = tuple(block_logits(chain, b, queries, f) for b, f in zip(blocks, first))
+    return AttnResState(tuple(blocks), logits, first, partial, t, queries)

@@ -11,7 +11,20 @@ from ..base import ChainRule, register_merge_rule
 from ..common import compute_dtype
 from .config import AttnResConfig, BlockAttnResConfig
 from .modules import AttnResChain, BlockAttnResPosition
-from .ops import AttnResState, BlockState, advance, block_logits, block_start, pool, site_queries
+from .ops import (
+                  AttnResState,
+                  BlockState,
+                  TritonState,
+                  advance,
+                  block_logits,
+                  block_start,
+                  pool,
+                  site_queries,
+                  triton_start,
+                  triton_step,
+                  triton_to_sources,
+                  uses_triton,
+)
 from .reference import default_block_size
 
 __all__ = ["AttnResRule", "BlockAttnResRule"]
@@ -31,10 +44,12 @@ class AttnResRule(ChainRule):
 
     def build_chain(self, dim, num_merges):
         c = self.config
-        return AttnResChain(dim, num_merges, self.block_size(num_merges), c.key_norm_affine, c.eps)
+        return AttnResChain(dim, num_merges, self.block_size(num_merges), c.key_norm_affine, c.eps, c.backend)
 
     # ---- runtime
     def start(self, chain, x):
+        if uses_triton(chain, x):  # the fused kernels: the sources in one buffer per forward
+            return triton_start(chain, x)
         v = x.to(compute_dtype(x))
         queries = site_queries(chain, v.dtype)
         return AttnResState((v,), (block_logits(chain, v, queries, 0),), (0,), None, 0, queries)
@@ -44,18 +59,26 @@ class AttnResRule(ChainRule):
         return state, h.to(dtype)
 
     def step(self, chain, k, state, u, next_k):
+        if isinstance(state, TritonState):
+            if k == state.t and next_k == k + 1:
+                return triton_step(chain, k, state, u)
+            state = triton_to_sources(chain, state)  # out of order (no grad): the torch path from here
         state = advance(chain, k, state, u.to(compute_dtype(u)))
         return self._read(chain, state, next_k, u.dtype)
 
     def skip(self, chain, k, state, next_k):
         """Ablation *(choice)*: the update is not added to any source (Full: no new source); block boundaries stay
         where they are."""
+        if isinstance(state, TritonState):
+            state = triton_to_sources(chain, state)
         dtype = state.blocks[0].dtype
         return self._read(chain, advance(chain, k, state, None), next_k, dtype)
 
     def streams(self, chain, state):
         """The current sources stacked ``(..., m, C)`` (diagnostics only: a copy)."""
-        return torch.stack(state.sources(), dim=-2) if isinstance(state, (AttnResState, BlockState)) else state
+        if isinstance(state, (AttnResState, BlockState, TritonState)):
+            return torch.stack(state.sources(), dim=-2)
+        return state
 
     def stage_state(self, chain, state=None, *, packed=None):
         """The completed blocks (``b_0 = x`` first) and the partial block, each once, then an int64 ``layout``:
@@ -82,6 +105,9 @@ class AttnResRule(ChainRule):
 
     def weights(self, chain, k: int, state: AttnResState, u: Tensor) -> Tensor:
         """alpha ``(..., m)`` of site k: its query over the sources after merging ``u`` into ``state``."""
+        if isinstance(state, TritonState):
+            with torch.no_grad():
+                return self.weights(chain, k, triton_to_sources(chain, state), u)
         _, alpha = pool(chain, k, advance(chain, k, state, u.to(compute_dtype(u))))
         return alpha
 
@@ -93,7 +119,7 @@ class AttnResRule(ChainRule):
         return AttnResStats(num_depths, max(sizes) if sizes else num_depths + 1)
 
     def observe(self, stats, depth, site, position, stream, update, state):
-        if not isinstance(state, (AttnResState, BlockState)):
+        if not isinstance(state, (AttnResState, BlockState, TritonState)):
             return
         d = site.dim
         u = update.detach()

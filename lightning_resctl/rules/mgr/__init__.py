@@ -29,15 +29,17 @@ gate and pool math runs in fp32 also under ``torch.autocast`` (the branches keep
 
 Fallback inversion (``invert``): the backward recomputes each merge's input streams from its output,
 ``s_i = (s'_i - beta_i u) / (1 - beta_i)``, instead of saving them (merge l+1's backward hands its
-reconstructed input to merge l as that merge's output). Rows (token, stream) are saved exactly where
-beta is in the top ``invert_top_p`` fraction of the merge, above ``invert_threshold``, or where the
-error gain ``prod 1/(1 - beta)`` accumulated since the last exact row would exceed ``invert_max_gain``
-(our addition: it bounds the error growth over deep chains). ``invert="auto"`` enables it for fp32/fp64
-streams in eager mode; it is off under ``torch.compile`` and for half-precision streams (the inversion
-of a rounded bf16/fp16 output is not accurate). Saved for backward per gated merge and token: about
-(n+1)·C values without inversion (input streams and u), about (1 + top_p·n)·C with it (u and the exact
-rows), plus a few fp32 numbers per stream. A merge's output is only dropped when the next step receives
-that very tensor unchanged; otherwise it is kept (as if saved), so any driving order stays correct.
+reconstructed input to merge l as that merge's output). Rows (token, stream) that need saving exactly (beta
+above ``invert_threshold``, or the error gain ``prod 1/(1 - beta)`` accumulated since the row's last exact save
+past ``invert_max_gain``: our addition, it bounds the error growth over deep chains) are saved within a budget of
+``ceil(invert_top_p * rows)`` per merge, fixed before the step (static shapes; past it a row is rebuilt:
+:mod:`.inversion`). ``invert="auto"`` enables it for fp32/fp64 streams, eager and, for a patched model, under
+``torch.compile`` (the rule's state then carries the rebuilt streams through autograd: :class:`~.ops.MGRState`);
+it is off for half-precision streams (the inversion of a rounded bf16/fp16 output is not accurate) and under
+activation checkpointing. Saved for backward per gated merge and token: about (n+1)·C values without inversion
+(input streams and u), about (1 + top_p·n)·C with it (u and the exact rows), plus a few fp32 numbers per
+stream. In eager code a merge's output is only dropped when the next step receives that very tensor unchanged;
+otherwise it is kept (as if saved), so any driving order stays correct.
 
 One home (the same shape as every rule): :mod:`.config` (options, defaults, checks), :mod:`.reference` (the oracle
 and the init formulas), :mod:`.ops` (the fused step: torch path, Triton dispatch, autograd Function),

@@ -20,12 +20,14 @@ class MGRConfig:
 
     streams: n >= 2 parallel streams per token.
     gating: "competitive" (softmax with a forget logit) or "independent" (sigmoid per stream).
-    invert: fallback inversion in the backward (True, False, "auto": fp32/fp64 streams, not under torch.compile).
+    invert: fallback inversion in the backward (True, False, "auto": fp32/fp64 streams; under torch.compile for a
+        patched model, not under activation checkpointing).
     backend: "auto" (Triton on CUDA, else torch), "torch" (on CPU the math compiled as one region per direction in
         the background when a C++ compiler is present, eager until then), "torch-eager", "torch-compiled", "triton"
         ("native" is an alias) or "reference" (the oracle).
     b_base, l_base, beta_init_max: depth-aware gate-bias init (beta_init_max in (0, 1)).
-    invert_top_p, invert_threshold, invert_max_gain: rows the inversion saves exactly.
+    invert_top_p: the budget of rows the inversion saves exactly, a fraction of a merge's token x stream rows.
+    invert_threshold, invert_max_gain: which rows need saving exactly (beta above; the error gain past).
     eps: RMSNorm epsilon.
     """
 

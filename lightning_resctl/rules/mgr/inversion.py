@@ -1,22 +1,29 @@
-"""MGR fallback inversion: the chain-level runtime state shared by the merges of one forward pass.
+"""MGR fallback inversion: the chain-level runtime state shared by the merges of one forward pass, and the rows a
+gated merge saves exactly.
 
 The backward recomputes each merge's input streams from its output, ``s_i = (s'_i - beta_i u) / (1 - beta_i)``,
 instead of saving them; merge l+1's backward hands its reconstructed input to merge l as that merge's output.
-Rows (token, stream) are saved exactly where beta is in the top ``top_p`` fraction of the merge, above
-``threshold``, or where the error gain ``prod 1/(1 - beta)`` accumulated since the last exact row would exceed
-``max_gain``.
+Where that is ill-conditioned a row (token, stream) is saved exactly instead: where beta is above ``threshold``,
+or where the error gain ``prod 1/(1 - beta)`` accumulated since the row's last exact save would exceed
+``max_gain``. The rows saved are a fixed budget per merge, ``ceil(top_p * rows)``, allocated up front (static
+shapes: the memory is known before the step, and the same under ``torch.compile``, and no device-to-host sync): the
+rows that need it first (on the torch path the largest gain first, and the rest of the budget to the largest beta;
+the Triton kernels give each program its share of the budget, first come in its token order, ``kernels/mgr.py``). A
+row that needs saving past the budget is rebuilt by the inversion, its error not bounded by ``max_gain`` (its gain
+keeps growing, so it needs saving again at the next merge): a merge whose gates put more than ``top_p`` of its rows
+near 1 (a layer that overwrites its streams) wants a larger ``invert_top_p`` or ``invert=False``.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from ..common import compute_dtype
 
-__all__ = ["InvertRun", "reconstruct_inputs", "output_streams"]
+__all__ = ["InvertRun", "ExactSelection", "select_exact", "reconstruct_inputs", "output_streams"]
 
 
 class InvertRun:
@@ -25,11 +32,12 @@ class InvertRun:
     * ``outputs[k]``: (weakref to merge k's output, detached alias, version) until merge k+1 claims it — an
       unclaimed output stays alive here (exactly as if saved) and is used by merge k's backward.
     * ``slots[k]``: merge k's output streams as reconstructed by the backward of the merge that claimed it.
-    * ``gain``: per (token, stream) log of the error gain accumulated since the last exact row.
+    * ``gain``: per (token, stream) the log of the error gain accumulated since the row's last exact save (the last
+      gated merge's, a tensor).
     """
 
     def __init__(self, top_p: float, threshold: float, max_gain: float):
-        self.top_p, self.threshold, self.log_max_gain = top_p, threshold, math.log(max_gain)
+        self.top_p, self.threshold, self.max_gain = top_p, threshold, max_gain
         self.outputs: dict[int, tuple] = {}
         self.slots: dict[int, Tensor] = {}
         self.gain: Optional[Tensor] = None
@@ -41,26 +49,48 @@ class InvertRun:
                 return k
         return None
 
-    def exact_mask(self, beta: Tensor) -> Tensor:
-        """Rows (token, stream) to save exactly; updates the running error gain."""
-        step = -torch.log1p(-beta.clamp(max=1.0 - 1e-7))
-        gain = step if self.gain is None or self.gain.shape != beta.shape else self.gain + step
-        mask = (beta > self.threshold) | (gain > self.log_max_gain)
-        kp = int(math.ceil(self.top_p * beta.numel())) if self.top_p > 0 else 0
-        if kp > 0:
-            idx = torch.topk(beta.reshape(-1), min(kp, beta.numel()), sorted=False).indices
-            mask.view(-1)[idx] = True
-        self.gain = gain.masked_fill(mask, 0.0)
-        return mask
+    def gain_for(self, beta_shape) -> Optional[Tensor]:
+        """The running gain entering a gated merge whose beta has ``beta_shape`` (None: none of that shape yet)."""
+        gain = self.gain
+        return gain if gain is not None and tuple(gain.shape) == tuple(beta_shape) else None
 
 
-def reconstruct_inputs(out2: Tensor, u2: Tensor, beta: Tensor, mask: Tensor, exact: Tensor) -> Tensor:
+class ExactSelection(NamedTuple):
+    """The torch path's exact rows of one gated merge: the running ``gain`` after it, the flat row indices
+    ``index`` (token * m + stream) and the rows ``exact`` (budget x C)."""
+    gain: Tensor
+    index: Optional[Tensor]
+    exact: Optional[Tensor]
+
+
+def select_exact(s2: Tensor, beta: Tensor, gain: Optional[Tensor], top_p: float, threshold: float,
+                 max_gain: float) -> ExactSelection:
+    """The rows of flat streams ``s2`` (T, m, C) a gated merge with gates ``beta`` (T, m) saves exactly, in static
+    shapes: the ``ceil(top_p * T * m)`` rows of the highest priority, the rows that need it (beta > ``threshold``,
+    or the running gain past ``log(max_gain)``) first, the largest gain first, then the largest beta. The gain of a
+    saved row restarts."""
+    step = -torch.log1p(-beta.clamp(max=1.0 - 1e-7))
+    gain = step if gain is None else gain + step
+    budget = min(math.ceil(top_p * beta.numel()), beta.numel()) if top_p > 0 else 0
+    if budget == 0:
+        return ExactSelection(gain, None, None)
+    must = (beta > threshold) | (gain > math.log(max_gain))
+    priority = torch.where(must, 2.0 + gain, beta)  # the rows that need it, the largest gain first; then beta
+    index = torch.topk(priority.reshape(-1), budget, sorted=False).indices
+    exact = s2.reshape(-1, s2.shape[-1]).index_select(0, index)
+    saved = torch.zeros_like(must).view(-1).index_fill_(0, index, True).view_as(must)
+    return ExactSelection(gain.masked_fill(saved, 0.0), index, exact)
+
+
+def reconstruct_inputs(out2: Tensor, u2: Tensor, beta: Tensor, index: Optional[Tensor],
+                       exact: Optional[Tensor]) -> Tensor:
     """Inputs of a gated merge from its output (flat ``(T, m, C)``): ``s = lerp(u, s', 1 / (1 - beta))``,
-    with the exactly saved rows put back."""
+    with the exactly saved rows (``index`` into the flat rows) put back."""
     cd = compute_dtype(out2)
     wgt = (1.0 - beta.to(cd)).clamp_min(1e-30).reciprocal_().unsqueeze(-1)
     s2 = torch.lerp(u2.to(cd).unsqueeze(1).expand_as(out2), out2.to(cd), wgt)
-    s2[mask] = exact.to(cd)
+    if index is not None:
+        s2.view(-1, s2.shape[-1]).index_copy_(0, index, exact.to(cd))
     return s2.to(out2.dtype)
 
 

@@ -13,7 +13,7 @@ from ..base import ChainPosition
 from ..checks import check_int, keywords_or_config
 from .config import MGRConfig
 from .inversion import InvertRun
-from .ops import check_step_backend, mgr_step, tie_zero_grad
+from .ops import MGRState, check_step_backend, close_carry, mgr_step, tie_zero_grad, traced_invert_step
 from .reference import MGRInit, attn_pool_reference, mgr_bias_init, mgr_gates_reference
 
 __all__ = ["MGRPool", "MGRMerge", "MGRPosition", "MGRRun", "MGRChain"]
@@ -22,6 +22,13 @@ __all__ = ["MGRPool", "MGRMerge", "MGRPosition", "MGRRun", "MGRChain"]
 def _transformed() -> bool:
     """A torch.func transform or a forward-mode AD level is active."""
     return torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0
+
+
+@torch.compiler.assume_constant_result
+def _saved_tensor_hooks_active() -> bool:
+    """Saved-tensor hooks (activation checkpointing, offloading) are active: read once while tracing, a constant of
+    the graph (dynamo cannot trace the query itself)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 class MGRPool(nn.Module):
@@ -123,30 +130,42 @@ class MGRPosition(ChainPosition):
         self.count, self.last = chain.stream_count(k), k == chain.num_merges - 1
         self.first_merge = k == 0
 
-    def step(self, streams: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    def step(self, streams, u: Tensor) -> tuple:
         """Merge ``u``: append it (an accumulating merge) or gate + lerp it into the streams, then the next pool.
-        Returns ``(streams', h_next)``; fused on the Triton path."""
+        Returns ``(streams', h_next)``; fused on the Triton path. Under ``torch.compile`` with the inversion the
+        state is an :class:`~.ops.MGRState` (the streams and what the inversion carries), returned alike."""
         chain = self.chain
+        state = streams if isinstance(streams, MGRState) else None
+        if state is not None:
+            streams = state.streams
         chain._check_stream_count(streams, self.count, lambda: self.k)
+        backend = chain.resolved_backend(streams)
         if isinstance(u, Tensor) and u.dtype != streams.dtype and u.is_floating_point():
-            if torch.is_autocast_enabled(streams.device.type):
+            if backend == "triton" and torch.promote_types(u.dtype, streams.dtype) == streams.dtype:
+                pass  # u (a bf16 branch output beside fp32 streams) converted in the kernel's registers, exactly
+            elif torch.is_autocast_enabled(streams.device.type):
                 u = u.to(streams.dtype)  # under autocast a branch returns low precision; the streams keep theirs
             else:  # type promotion as `stream + update` does
                 dtype = torch.result_type(streams, u)
+                if state is not None and dtype != streams.dtype:  # the inversion's streams change: hand them on
+                    streams, state = close_carry(state), None
                 streams, u = streams.to(dtype), u.to(dtype)
-        chain._check_update(streams, u)
+        chain._check_update(streams, u, exact_dtype=backend != "triton")
         merge = self.merge
         gq, gb, fb = merge.gate_params()
-        backend = chain.resolved_backend(streams)
         if self.first_merge and torch.is_grad_enabled() and merge.pool_query.requires_grad and not _transformed():
             u = tie_zero_grad(u, merge.pool_query)  # (for DDP; not under torch.func / forward-mode AD)
-        # the position keys the inversion's run, which never runs under torch.compile: not read there (a guard)
+        if state is not None:  # the inversion under torch.compile: what it carries flows through the state
+            return traced_invert_step(MGRState(streams, state.carry, state.gain), u, self.reader.pool_query, gq, gb,
+                                      fb, eps=chain.eps, last=self.last, top_p=chain.invert_top_p,
+                                      threshold=chain.invert_threshold, max_gain=chain.invert_max_gain)
+        # the position keys the eager inversion's run, which never runs under torch.compile: not read there (a guard)
         k = -1 if torch.compiler.is_compiling() else self.k
         return mgr_step(streams, u, self.reader.pool_query, gq, gb, fb, gating=chain.gating, eps=chain.eps,
                         backend=backend, claim_run=chain._claim_run, k=k, last=self.last)
 
-    def skip(self, streams: Tensor) -> tuple[Tensor, Tensor]:
-        return self.chain.skip(self.k, streams)
+    def skip(self, streams) -> tuple[Tensor, Tensor]:
+        return self.chain.skip(self.k, close_carry(streams) if isinstance(streams, MGRState) else streams)
 
 
 class MGRRun:
@@ -190,14 +209,15 @@ class MGRChain(nn.Module):
             (``num_gated`` = L of the depth-aware init).
         streams: n >= 2.
         gating: ``"competitive"`` (softmax with a forget logit; gates sum to < 1) or ``"independent"``.
-        invert: fallback inversion in the backward: True, False or ``"auto"`` (fp32/fp64 streams, not under
-            ``torch.compile``).
+        invert: fallback inversion in the backward: True, False or ``"auto"`` (fp32/fp64 streams; driven by hand,
+            not under ``torch.compile``: the rule's path inverts there, :meth:`inverts_traced`).
         backend: ``"auto"``, ``"torch"`` (on CPU the math runs eagerly while one region per direction compiles in
             the background, when a C++ compiler is present; else eager), ``"torch-eager"``, ``"torch-compiled"``
             (the regions compiled before the first call returns), ``"triton"`` (alias ``"native"``) or
             ``"reference"``.
         b_base, l_base, beta_init_max: the depth-aware init (see :func:`mgr_bias_init`).
-        invert_top_p, invert_threshold, invert_max_gain: which rows the inversion saves exactly.
+        invert_top_p, invert_threshold, invert_max_gain: the budget of rows the inversion saves exactly (a fraction
+            of a merge's rows) and which rows need it.
         eps: RMSNorm epsilon.
         config: all of these options as one :class:`MGRConfig` instead of the keywords (what the rule passes);
             refused together with an option keyword that differs from its default.
@@ -274,6 +294,19 @@ class MGRChain(nn.Module):
             return tensor.dtype in (torch.float32, torch.float64)
         return True
 
+    def inverts_traced(self, tensor: Tensor) -> bool:
+        """True when a chain starting at ``tensor`` runs the fallback inversion under ``torch.compile`` (the rule's
+        path: the state carries what the eager run keeps on the side, :class:`~.ops.MGRState`): while compiling,
+        with grad mode, on the torch path (not the Triton op, not the reference), without saved-tensor hooks
+        (activation checkpointing decides what is kept); ``invert="auto"`` also needs fp32/fp64 streams."""
+        if self.invert is False or not torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return False
+        if self.resolved_backend(tensor) in ("reference", "triton"):
+            return False
+        if _saved_tensor_hooks_active():
+            return False
+        return self.invert is True or tensor.dtype in (torch.float32, torch.float64)
+
     def next_query(self, k: int) -> Tensor:
         """The pool query read after merge k: merge k+1's ``pool_query``, or the output pool's after the last."""
         return self.merges[k + 1].pool_query if k + 1 < self.num_merges else self.output_pool.pool_query
@@ -306,8 +339,9 @@ class MGRChain(nn.Module):
         if not streams.is_floating_point():
             raise TypeError(f"{name} must be floating point, got {streams.dtype}")
 
-    def _check_update(self, streams: Tensor, u: Tensor) -> None:
-        """u: same leading dims, C, dtype (cast under autocast) and device as the streams."""
+    def _check_update(self, streams: Tensor, u: Tensor, exact_dtype: bool = True) -> None:
+        """u: same leading dims, C, dtype (cast under autocast; ``exact_dtype`` False: any dtype the streams' holds
+        exactly, the Triton kernels convert it) and device as the streams."""
         if not isinstance(u, Tensor):
             raise TypeError(f"u must be a Tensor, got {type(u).__name__}")
         want = tuple(streams.shape[:-2]) + (self.dim,)
@@ -315,7 +349,7 @@ class MGRChain(nn.Module):
             raise ValueError(f"u must have shape {want} (the streams' leading dims and C), got {tuple(u.shape)}")
         if not u.is_floating_point():
             raise TypeError(f"u must be floating point, got {u.dtype}")
-        if u.dtype != streams.dtype:
+        if u.dtype != streams.dtype and (exact_dtype or torch.promote_types(u.dtype, streams.dtype) != streams.dtype):
             raise TypeError(f"u dtype {u.dtype} does not match the streams dtype {streams.dtype}")
         if u.device != streams.device:
             raise ValueError(f"u is on {u.device}, the streams on {streams.device}")

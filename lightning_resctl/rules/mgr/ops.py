@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -24,11 +24,11 @@ from ...runtime.backends import exporting_for_training, resolve_backend, torch_m
 from ...runtime.regions import CompiledMath
 from ...runtime.triton import load_kernels, triton_available
 from ..common import check_rule_backend, compute_dtype
-from .inversion import InvertRun, output_streams, reconstruct_inputs
+from .inversion import InvertRun, output_streams, reconstruct_inputs, select_exact
 from .reference import mgr_step_reference
 
 __all__ = ["MGRStepFn", "TieZeroGrad", "tie_zero_grad", "torch_step_forward", "torch_step_backward", "mgr_step",
-           "check_step_backend"]
+           "check_step_backend", "MGRState", "TracedInvertStep", "traced_invert_step", "close_carry"]
 
 
 def _gates_from_logits(z: Tensor, forget_bias: Optional[Tensor]) -> Tensor:
@@ -147,58 +147,54 @@ def torch_step_backward(streams: Tensor, u: Optional[Tensor], beta: Optional[Ten
 _torch_fns = CompiledMath(torch_step_forward, torch_step_backward, rule="mgr")
 
 
-def _step_forward(backend: str, streams, u, next_query, gate_query, gate_bias, forget_bias, eps):
-    """``backend``: "triton", or the torch path's mode ("eager" / "compiled" / "background")."""
-    if backend == "triton":
-        out, h, beta, a = load_kernels("mgr").mgr_step_forward_raw(streams, u, next_query, gate_query, gate_bias,
-                                                                    forget_bias, eps)
-        t = a.numel() // a.shape[-1] if a.dim() else 1
-        beta = beta.reshape(t, -1) if gate_query is not None else None
-        return out, h, beta, a.reshape(t, -1), None
-    return _torch_fns(backend)[0](streams, u, next_query, gate_query, gate_bias, forget_bias, eps)
-
-
-def _step_backward(backend: str, streams, u, beta, a, out, stats, next_query, gate_query, gate_bias, forget_bias,
-                   grad_out, grad_h, eps):
-    if backend == "triton":
-        return load_kernels("mgr").mgr_step_backward_raw(streams, u, beta, a, next_query, gate_query, gate_bias,
-                                                     forget_bias, grad_out, grad_h, eps)
-    return _torch_fns(backend)[1](streams, u, beta, a, out, stats, next_query, gate_query, forget_bias, grad_out,
-                                  grad_h, eps)
+def _triton_inversion(kernels, run: Optional[InvertRun], gated: bool, beta_shape):
+    """The kernels' :class:`Inversion` settings of a gated step of ``run`` (None: no inversion)."""
+    if run is None or not gated:
+        return None
+    return kernels.Inversion(run.gain_for(beta_shape), run.top_p, run.threshold, run.max_gain)
 
 
 class MGRStepFn(torch.autograd.Function):
-    """One step (merge + next pool) with a closed-form backward; optionally with fallback inversion.
+    """One step (merge + next pool) with a closed-form backward, on the torch path or the Triton kernels (one
+    launch forward, two backward: ``kernels/mgr.py``); optionally with the fallback inversion.
 
-    ``cfg = (backend, eps, run, k, last)``; ``run`` is the chain's :class:`InvertRun` or None (save the input
-    streams as usual)."""
+    ``cfg = (mode, eps, run, k, last)``: ``mode`` "triton" or the torch path's ("eager" / "compiled" /
+    "background"); ``run`` the chain's :class:`InvertRun` or None (save the input streams as usual). Gradients of
+    unused outputs are not materialised (a backward without dS' or dh reads neither)."""
 
     @staticmethod
     def forward(ctx, streams, u, next_query, gate_query, gate_bias, forget_bias, cfg):
-        backend, eps, run, k, last = cfg
-        lead = streams.shape[:-2]
-        m, c = streams.shape[-2], streams.shape[-1]
-        s2 = streams.reshape(-1, m, c)
-        u2 = u.reshape(-1, c)
-        with autocast_off(streams.device.type):
-            out, h, beta, a, stats = _step_forward(backend, streams, u, next_query, gate_query, gate_bias,
-                                                   forget_bias, eps)
-        ctx.cfg = cfg
-        ctx.shapes = (lead, m, c)
-        stats = stats if stats is not None else (None, None, None, None)
-        params = (next_query, gate_query, gate_bias, forget_bias)
+        mode, eps, run, k, last = cfg
+        ctx.set_materialize_grads(False)
         gated = gate_query is not None
+        lead, m, c = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
+        params = (next_query, gate_query, gate_bias, forget_bias)
+        ctx.cfg, ctx.shapes, ctx.u_dtype = cfg, (lead, m, c), u.dtype
+        if mode == "triton":
+            kernels = load_kernels("mgr")
+            out, h, beta, a, exact = kernels.step_forward(streams, u, *params, eps,
+                                                          _triton_inversion(kernels, run, gated, (*lead, m)))
+            stats = (None, None, None, None)
+            rows = (None, None)
+            if exact is not None:
+                run.gain = exact.gain
+                rows = (exact.slot, exact.exact)
+        else:
+            with autocast_off(streams.device.type):
+                out, h, beta, a, stats = _torch_fns(mode)[0](streams, u, *params, eps)
+            stats = stats if stats is not None else (None, None, None, None)
+            rows = (None, None)
+            if run is not None and gated:
+                sel = select_exact(streams.reshape(-1, m, c), beta, run.gain_for(beta.shape), run.top_p,
+                                   run.threshold, run.max_gain)
+                run.gain = sel.gain
+                rows = (sel.index, sel.exact)
         if run is None:
-            ctx.save_for_backward(s2, u2, beta, a, *stats, *params)
+            ctx.save_for_backward(streams, u, beta, a, *stats, *params)
             return out, h
         ctx.deliver = run.claim(streams)
-        if gated:
-            mask = run.exact_mask(beta)
-            exact = s2[mask]
-        else:
-            mask = exact = None
         saved_out = out if last else None
-        ctx.save_for_backward(u2 if gated else None, beta, a, mask, exact, saved_out, *stats, *params)
+        ctx.save_for_backward(u if gated else None, beta, a, *rows, saved_out, *stats, *params)
         if not last:
             run.outputs[k] = (weakref.ref(out), out.detach(), out._version)
         ctx.run = run
@@ -207,31 +203,59 @@ class MGRStepFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_h):
         refuse_second_derivative("MGR (fused step)", "backend='reference'")
-        backend, eps, run, k, last = ctx.cfg
+        mode, eps, run, k, last = ctx.cfg
         lead, m, c = ctx.shapes
+        rows = None
         if run is None:
-            s2, u2, beta, a, r, pq, r2, p2, next_query, gate_query, gate_bias, forget_bias = ctx.saved_tensors
-            out2 = None
+            streams, u, beta, a, r, pq, r2, p2, *params = ctx.saved_tensors
+            out = None
         else:
-            (u2, beta, a, mask, exact, saved_out, r, pq, r2, p2,
-             next_query, gate_query, gate_bias, forget_bias) = ctx.saved_tensors
-            out2 = output_streams(run, k, saved_out).reshape(-1, m + (gate_query is None), c)
-            if gate_query is None:
-                s2 = out2[:, :m]
-                u2 = out2[:, m]
-            else:  # s = (s' - beta u) / (1 - beta); exact rows where beta is large
-                s2 = reconstruct_inputs(out2, u2, beta, mask, exact)
-            if ctx.deliver is not None:
-                run.slots[ctx.deliver] = s2.reshape(*lead, m, c)
-        if grad_out is not None:
-            grad_out = grad_out.reshape(-1, grad_out.shape[-2], c)
-        if grad_h is not None:
-            grad_h = grad_h.reshape(-1, c)
-        stats = None if r2 is None else (r, pq, r2, p2)
-        with autocast_off(s2.device.type):
-            ds, du, dq, db, df, dw = _step_backward(backend, s2, u2, beta, a, out2, stats, next_query, gate_query,
-                                                    gate_bias, forget_bias, grad_out, grad_h, eps)
-        return ds.reshape(*lead, m, c), du.reshape(*lead, c), dw, dq, db, df, None
+            u, beta, a, i0, i1, saved_out, r, pq, r2, p2, *params = ctx.saved_tensors
+            out = output_streams(run, k, saved_out)
+            if params[1] is None:  # accumulating: the inputs are the output's first m streams, u its last
+                streams, u = out[..., :m, :], out[..., m, :]
+                if ctx.deliver is not None:
+                    run.slots[ctx.deliver] = streams
+            else:
+                streams, rows = None, (i0, i1)
+        deliver = run is not None and ctx.deliver is not None and rows is not None
+        if mode == "triton":
+            kernels = load_kernels("mgr")
+            exact = kernels.ExactRows(None, *rows) if rows is not None else None
+            ds, du, dq, db, df, dw, rebuilt = kernels.step_backward(
+                out if rows is not None else streams, u, beta, a, *params, grad_out, grad_h, eps, exact=exact,
+                deliver=deliver, du_dtype=ctx.u_dtype)
+        else:
+            with autocast_off(u.device.type):
+                ds, du, dq, db, df, dw, rebuilt = _torch_backward(mode, streams, u, beta, a, out, rows,
+                                                                  (r, pq, r2, p2), params, grad_out, grad_h, eps,
+                                                                  (lead, m, c))
+        if deliver:
+            run.slots[ctx.deliver] = rebuilt
+        return ds, du, dw, dq, db, df, None
+
+
+def _torch_backward(mode, streams, u, beta, a, out, rows, stats, params, grad_out, grad_h, eps, shapes):
+    """:class:`MGRStepFn`'s backward on the torch path (flat shapes inside): the inputs rebuilt from ``out`` when
+    ``rows`` (the exact rows) are given; returns the gradients in the caller's shapes and the rebuilt inputs."""
+    lead, m, c = shapes
+    next_query, gate_query, gate_bias, forget_bias = params
+    rebuilt = None
+    if rows is not None:  # s = (s' - beta u) / (1 - beta); the exact rows put back
+        out2 = out.reshape(-1, m, c)
+        s2 = reconstruct_inputs(out2, u.reshape(-1, c), beta, *rows)
+        rebuilt = s2.reshape(*lead, m, c)
+    else:
+        s2 = streams.reshape(-1, m, c)
+        out2 = None if out is None else out.reshape(-1, out.shape[-2], c)
+    if grad_out is not None:
+        grad_out = grad_out.reshape(-1, grad_out.shape[-2], c)
+    if grad_h is not None:
+        grad_h = grad_h.reshape(-1, c)
+    stats = None if stats[2] is None else stats
+    ds, du, dq, db, df, dw = _torch_fns(mode)[1](s2, u.reshape(-1, c), beta, a, out2, stats, next_query, gate_query,
+                                                 forget_bias, grad_out, grad_h, eps)
+    return ds.reshape(*lead, m, c), du.reshape(*lead, c), dq, db, df, dw, rebuilt
 
 
 def check_step_backend(name) -> str:
@@ -254,20 +278,18 @@ def mgr_step(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optiona
 
     "reference" (and a non-Triton step while ``torch.export`` traces for training) runs the oracle under plain
     autograd; the others refuse ``torch.func`` transforms and forward-mode AD, then ``claim_run(streams)`` gives
-    the chain's :class:`~.inversion.InvertRun` (None: save the input streams as usual). Without one, a Triton step
-    is the fused op with its registered autograd; else :class:`MGRStepFn` (the torch math, eager or compiled on
-    CPU, or the kernels) with the inversion."""
+    the chain's :class:`~.inversion.InvertRun` (None: save the input streams as usual), and :class:`MGRStepFn` runs
+    the torch math (eager or compiled on CPU) or the kernels. Under ``torch.compile`` a Triton step is the fused
+    ``torch.library`` op (one opaque op per direction)."""
     if backend == "reference" or (backend != "triton" and exporting_for_training(streams, u, next_query, gate_query,
                                                                                  gate_bias, forget_bias)):
         return mgr_step_reference(streams, u, next_query, gate_query, gate_bias, forget_bias, gating, eps)
     refuse_transforms(f"MGR (fused step, backend={backend!r})", "backend='reference'", streams, u, next_query,
                       gate_query, gate_bias, forget_bias)
     run = claim_run(streams)
-    if run is None and backend == "triton":
-        with autocast_off(streams.device.type):  # the fused op's own torch ops in fp32
-            out, h, _, _ = load_kernels("mgr").mgr_step(streams, u, next_query, gate_query, gate_bias, forget_bias,
-                                                        eps)
-        return out, h
+    if run is None and backend == "triton" and torch.compiler.is_compiling():
+        out, h, _, _ = load_kernels("mgr").mgr_step(streams, u, next_query, gate_query, gate_bias, forget_bias, eps)
+        return out.view_as(out), h
     # "torch" on CPU: one compiled region per direction when a C++ compiler is present (lightning_resctl.runtime.
     # backends); under torch.compile the mode is "eager" and dynamo inlines the Function: the compiler traces the
     # step and its closed-form backward
@@ -278,6 +300,111 @@ def mgr_step(streams: Tensor, u: Tensor, next_query: Tensor, gate_query: Optiona
         # own output dynamo cannot lift it into the next block's subgraph, as a view made here it can
         out = out.view_as(out)
     return out, h
+
+
+# ---------------------------------------------------------------------------------------------- inversion, traced
+class MGRState(NamedTuple):
+    """The chain's state between merges when the inversion runs under ``torch.compile`` (the rule's path): the
+    ``streams``, the last merge's ``carry`` (an output that takes no memory, its "gradient" the streams the next
+    merge's backward rebuilds: how the rebuilt streams reach the merge before, through autograd itself, so that the
+    compiler traces the inversion into the backward graph and saves no merge's input streams) and the running error
+    ``gain`` of the rows saved exactly. Eager code keeps the streams as the state (:class:`~.inversion.InvertRun`
+    does this bookkeeping there)."""
+
+    streams: Tensor
+    carry: Optional[Tensor]
+    gain: Optional[Tensor]
+
+
+class TracedInvertStep(torch.autograd.Function):
+    """One step with the fallback inversion as traced code (``torch.compile``: dynamo inlines it): the torch math
+    forward, the exact rows chosen in static shapes (:func:`~.inversion.select_exact`); saved: u, beta, a, the exact
+    rows and their indices (and the last merge's output); the per-row statistics are taken again in the backward.
+    The backward rebuilds the inputs from the output streams it gets as the carry's gradient (or, the last merge, its
+    own), and returns them as the gradient of the carry it took.
+
+    ``cfg = (eps, last, top_p, threshold, max_gain)``."""
+
+    @staticmethod
+    def forward(ctx, streams, u, next_query, gate_query, gate_bias, forget_bias, carry, gain, cfg):
+        eps, last, top_p, threshold, max_gain = cfg
+        ctx.set_materialize_grads(False)
+        lead, m, c = streams.shape[:-2], streams.shape[-2], streams.shape[-1]
+        params = (next_query, gate_query, gate_bias, forget_bias)
+        with autocast_off(streams.device.type):
+            out, h, beta, a, _ = torch_step_forward(streams, u, *params, eps)
+        gated = gate_query is not None
+        index = exact = gain_out = None
+        if gated:
+            sel = select_exact(streams.reshape(-1, m, c), beta, gain, top_p, threshold, max_gain)
+            index, exact, gain_out = sel.index, sel.exact, sel.gain
+        # the per-row statistics are not saved: the backward takes them of the rebuilt streams (fused there)
+        ctx.save_for_backward(u if gated else None, beta, a, index, exact, out if last else None, *params)
+        ctx.shapes, ctx.eps, ctx.carried = (lead, m, c), eps, carry is not None
+        ctx.u_dtype = u.dtype
+        # the carry: an expanded scalar (no memory) the next merge takes; its gradient is this merge's output
+        new_carry = out.new_zeros(()).expand(out.shape)
+        if gain_out is None:  # an accumulating merge (they come before every gated one): no gain yet
+            gain_out = a.new_zeros(())
+        ctx.mark_non_differentiable(gain_out)
+        return out, h, new_carry, gain_out
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_h, rebuilt_out, _grad_gain):
+        refuse_second_derivative("MGR (fused step)", "backend='reference'")
+        u, beta, a, index, exact, saved_out, *params = ctx.saved_tensors
+        lead, m, c = ctx.shapes
+        out = saved_out if saved_out is not None else rebuilt_out
+        if out is None:
+            raise RuntimeError("MGR inversion under torch.compile: the output streams of a merge did not come back "
+                               "in the backward (the merge after it did not run its backward); build the chain with "
+                               "invert=False for this use")
+        rows = None
+        if params[1] is None:  # accumulating: the inputs are the output's first m streams, u its last
+            streams, u = out[..., :m, :], out[..., m, :]
+            rebuilt = streams
+        else:
+            streams, rows = None, (index, exact)
+        with autocast_off(out.device.type):
+            ds, du, dq, db, df, dw, rebuilt_gated = _torch_backward("eager", streams, u, beta, a, out, rows,
+                                                                    (None,) * 4, params, grad_out, grad_h, ctx.eps,
+                                                                    (lead, m, c))
+        if rows is not None:
+            rebuilt = rebuilt_gated
+        return (ds, du.to(ctx.u_dtype), dw, dq, db, df, rebuilt if ctx.carried else None, None, None)
+
+
+class CloseCarry(torch.autograd.Function):
+    """Hands ``streams`` on to code that is not the next inverting merge (a skipped merge, a pool, the chain's
+    diagnostics): saves them and returns them as the carry's gradient (the merge before then rebuilds its inputs
+    from them). Identity forward."""
+
+    @staticmethod
+    def forward(ctx, streams, carry):
+        ctx.save_for_backward(streams)
+        return streams.view_as(streams)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (streams,) = ctx.saved_tensors
+        return grad, streams
+
+
+def close_carry(state: MGRState) -> Tensor:
+    """The streams of a traced inversion's state, for code other than the next inverting merge."""
+    return state.streams if state.carry is None else CloseCarry.apply(state.streams, state.carry)
+
+
+def traced_invert_step(state: MGRState, u: Tensor, next_query: Tensor, gate_query: Optional[Tensor],
+                       gate_bias: Optional[Tensor], forget_bias: Optional[Tensor], *, eps: float, last: bool,
+                       top_p: float, threshold: float, max_gain: float) -> tuple[MGRState, Tensor]:
+    """One step of a chain whose inversion runs under ``torch.compile`` (:class:`TracedInvertStep`):
+    ``(state', h_next)``."""
+    out, h, carry, gain = TracedInvertStep.apply(state.streams, u, next_query, gate_query, gate_bias, forget_bias,
+                                                 state.carry, state.gain, (eps, last, top_p, threshold, max_gain))
+    # the state goes on to the next merge, also across checkpointed blocks' subgraphs: as views made here (not the
+    # Function's own outputs) dynamo can lift them into the next subgraph (as mgr_step's streams)
+    return MGRState(out.view_as(out), carry.view_as(carry), gain.view_as(gain) if gain.dim() else None), h
 
 
 class TieZeroGrad(torch.autograd.Function):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..base import ChainRule, register_merge_rule
 from .config import MGRConfig
 from .modules import MGRChain, MGRPosition
+from .ops import MGRState, close_carry
 from .reference import attn_pool_reference
 
 __all__ = ["MGRRule"]
@@ -28,7 +29,7 @@ class MGRRule(ChainRule):
 
     def start(self, chain, x):
         streams, _ = chain.start(x)
-        return streams
+        return MGRState(streams, None, None) if chain.inverts_traced(x) else streams
 
     def position(self, chain, k, next_k):
         if next_k != k + 1:  # merges between that do not run in this mode (rare): the positions read
@@ -42,7 +43,7 @@ class MGRRule(ChainRule):
         return streams, h
 
     def skip(self, chain, k, state, next_k):
-        streams, h = chain.skip(k, state)
+        streams, h = chain.skip(k, _streams_of(state))
         if next_k != k + 1:
             streams, h = self._pass(chain, k, streams, next_k)
         return streams, h
@@ -50,6 +51,7 @@ class MGRRule(ChainRule):
     def _pass(self, chain, k, streams, next_k):
         """Merges k+1..next_k-1 do not run in this forward: each leaves the streams as they are (an
         accumulating one appends a zero stream, keeping the stream count); then the pool of next_k."""
+        streams = _streams_of(streams)
         for j in range(k + 1, next_k):
             streams, _ = chain.skip(j, streams)
         return streams, self._read(chain, next_k, streams)
@@ -61,7 +63,7 @@ class MGRRule(ChainRule):
         return h.to(streams.dtype)
 
     def streams(self, chain, state):
-        return state
+        return state.streams if isinstance(state, MGRState) else state
 
     def stage_state(self, chain, state=None, *, packed=None):
         """The streams ``(..., min(k + 1, n), C)`` cross a stage boundary as they are. Rebuilt on the next stage, the
@@ -81,6 +83,7 @@ class MGRRule(ChainRule):
     def observe(self, stats, depth, site, position, stream, update, state):
         if state is None:
             return
+        state = self.streams(None, state)
         chain = site.chain_module
         k = int(position)
         beta = forget = None
@@ -88,6 +91,11 @@ class MGRRule(ChainRule):
             beta, forget = chain.gate_values(k, state)
         pool = chain.pool_weights(k, state)
         stats.update(depth, streams=state, beta=beta, forget=forget, pool=pool)
+
+
+def _streams_of(state):
+    """The streams of a state, for code other than the next inverting merge (:func:`~.ops.close_carry`)."""
+    return close_carry(state) if isinstance(state, MGRState) else state
 
 
 register_merge_rule("mgr", MGRRule)

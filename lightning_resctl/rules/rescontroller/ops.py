@@ -4,8 +4,9 @@
   closed-form derivative of the rule; it saves only ``r``, ``u`` and a few per-row scalars (plain autograd of the
   reference saves every intermediate); under a whole-model ``torch.compile`` dynamo inlines it, so the compiler
   sees the forward math and the closed-form backward as plain ops and fuses them with the model's;
-* the Triton path — fused forward and backward kernels in ``lightning_resctl.kernels.rescontroller``,
-  registered as ``torch.library`` custom ops (opaque to ``torch.compile``).
+* the Triton path — fused forward and backward kernels in ``lightning_resctl.kernels.rescontroller``: in eager code
+  one ``autograd.Function`` around the two launches (:class:`_TritonMerge`), under ``torch.compile`` their
+  ``torch.library`` custom ops (opaque to the compiler).
 
 :func:`rescontroller` validates the input and dispatches: ``backend="auto"`` picks Triton for CUDA tensors when
 Triton works, else the torch path. The torch and Triton paths refuse double backward, forward-mode AD and the
@@ -158,16 +159,41 @@ def _rescontroller_torch(residual, update, ur, sr, ku, ks, eps, dim, backend="to
     return _ResControllerFunction.apply(residual, update, ur, sr, ku, ks, eps, dim, torch_mode(backend, residual))
 
 
-def _rescontroller_triton(residual, update, ur, sr, ku, ks, eps, dim):
-    """Triton path: the fused op on the feature dim moved last (a view: the kernels walk the strides, no
-    copy), the caller's layout back."""
+class _TritonMerge(torch.autograd.Function):
+    """The Triton path in eager code: one kernel forward, one backward (``kernels/rescontroller.py``), and what a
+    call costs on the host besides them: this Function, two allocations. Saves ``r`` and ``u`` (the caller's
+    tensors); the kernels take any strides and need no autocast context (they run no torch op)."""
+
+    @staticmethod
+    def forward(ctx, residual, update, opts):
+        kernels = load_kernels("rescontroller")
+        if any(ctx.needs_input_grad[:2]):
+            ctx.save_for_backward(residual, update)
+            ctx.opts = opts
+        return kernels.merge_forward(residual, update, opts)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        refuse_second_derivative("rescontroller (Triton kernels)", _ORACLE)
+        residual, update = ctx.saved_tensors
+        grad_r, grad_u = load_kernels("rescontroller").merge_backward(grad_out, residual, update, ctx.opts)
+        return (grad_r if ctx.needs_input_grad[0] else None, grad_u if ctx.needs_input_grad[1] else None, None)
+
+
+def _rescontroller_triton(residual, update, opts, dim):
+    """Triton path: the kernels on the feature dim moved last (a view: the kernels walk the strides, no copy), the
+    caller's layout back. Eager: :class:`_TritonMerge`; under ``torch.compile`` the ``torch.library`` op (one opaque
+    op per direction, no graph break)."""
     refuse_transforms("rescontroller (Triton op)", _ORACLE, residual, update)
-    load_kernels("rescontroller")  # registers torch.ops.lightning_resctl.rescontroller_*
     last = dim == residual.dim() - 1
     r = residual if last else residual.movedim(dim, -1)
     u = update if last else update.movedim(dim, -1)
-    with autocast_off(r.device.type):
-        out = torch.ops.lightning_resctl.rescontroller_fwd(r, u, ur, sr, ku, ks, eps)
+    if torch.compiler.is_compiling():
+        load_kernels("rescontroller")  # registers torch.ops.lightning_resctl.rescontroller_*
+        with autocast_off(r.device.type):
+            out = torch.ops.lightning_resctl.rescontroller_fwd(r, u, *opts)
+    else:
+        out = _TritonMerge.apply(r, u, opts)
     return out if last else out.movedim(-1, dim)
 
 
@@ -207,7 +233,7 @@ def rescontroller_merge(residual: Tensor, update: Tensor, opts: tuple, dim: int,
     canonical. :class:`~.modules.ResController` calls it with the options it checked once, at construction."""
     resolved = resolve_backend(backend, residual)
     if resolved == "triton":
-        return _rescontroller_triton(residual, update, *opts, dim)
+        return _rescontroller_triton(residual, update, opts, dim)
     if resolved == "reference" or exporting_for_training(residual, update):
         return reference_merge(residual, update, opts, dim)
     return _rescontroller_torch(residual, update, *opts, dim, backend)
