@@ -239,3 +239,34 @@ def test_diagnostics_read_the_kernels_state():
         seen.append(out)
     for a, b in zip(*seen):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["attnres", "attnres-block"])
+def test_a_pipeline_boundary_takes_the_triton_state_as_the_torch_paths_sources_without_grad_only(method):
+    """A pipeline stage boundary (``stage_state``) after merges on the kernels: without grad mode the same tensors
+    the torch path's state packs (the sources as they are); while gradients are recorded a clear refusal naming
+    ``backend='torch'`` (the kernels keep the sources for the backward in one buffer of this stage)."""
+    c, merges = 37, 3
+    triton_rule, chain = build(method, "triton", c, merges, dtype=torch.float32)
+    torch_rule = make_rule(method, {"backend": "torch", "key_norm_affine": True,
+                                    **({"block_size": 2} if method == "attnres-block" else {})})
+    ws = branches(c, merges, torch.float32)
+    x = torch.randn(2, 3, c)
+
+    def state_after(rule, k_stop):
+        state, h = rule.start(chain, x), x
+        for k in range(k_stop):
+            state, h = rule.step(chain, k, state, torch.tanh(h @ ws[k]), k + 1)
+        return state
+
+    with torch.no_grad():
+        state = state_after(triton_rule, 2)
+        assert isinstance(state, TritonState)
+        got = triton_rule.stage_state(chain, state)
+        want = torch_rule.stage_state(chain, state_after(torch_rule, 2))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    state = state_after(triton_rule, 2)
+    with pytest.raises(RuntimeError, match=r"pipeline stage while gradients are recorded.*backend='torch'"):
+        triton_rule.stage_state(chain, state)

@@ -85,8 +85,17 @@ class AttnResRule(ChainRule):
         ``[t, partial?, first_0, ..., first_{m-1}]`` for the sources as they are (:class:`~.ops.AttnResState`),
         ``[open]`` for Block AttnRes's stacked state in blocks compiled one by one (:class:`~.ops.BlockState`: the
         stack, its rms and the partial). The key logits and the queries are computed again on the next stage, from
-        the blocks and the chain's parameters (on every stage)."""
+        the blocks and the chain's parameters (on every stage). The Triton path's state (:class:`~.ops.TritonState`)
+        crosses as the torch path's sources without grad mode, and is refused with it: its kernels keep the sources
+        for the backward in one buffer of this stage (``backend='torch'`` trains a pipeline)."""
         if packed is None:
+            if isinstance(state, TritonState):
+                if torch.is_grad_enabled():
+                    raise RuntimeError(
+                        f"method={self.name!r} on the Triton kernels cannot hand its sources to another pipeline "
+                        "stage while gradients are recorded (the kernels keep them for the backward in one buffer "
+                        "of this stage): pass backend='torch' for pipeline parallel training")
+                state = triton_to_sources(chain, state)
             if isinstance(state, BlockState):
                 return (state.blocks, state.rms, state.partial, _layout([int(state.open)], state.partial))
             partial = [] if state.partial is None else [state.partial]

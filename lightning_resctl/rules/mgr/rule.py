@@ -68,9 +68,10 @@ class MGRRule(ChainRule):
     def stage_state(self, chain, state=None, *, packed=None):
         """The streams ``(..., min(k + 1, n), C)`` cross a stage boundary as they are. Rebuilt on the next stage, the
         chain starts a new inversion run for this forward (:meth:`MGRChain.start`: its merges' outputs are this
-        microbatch's, never another's in flight)."""
+        microbatch's, never another's in flight). A traced inversion's state (:class:`~.ops.MGRState`) hands its
+        streams on as a chain end does (:func:`~.ops.close_carry`: the merge before rebuilds its inputs from them)."""
         if packed is None:
-            return (state,)
+            return (close_carry(state) if isinstance(state, MGRState) else state,)
         (streams,) = packed
         chain.start(streams[..., 0, :])
         return streams
