@@ -272,7 +272,7 @@ def main(argv=None):
     ap.add_argument("--streams", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--dims", type=int, nargs="+", default=[768, 2048])
     ap.add_argument("--kernels", action="store_true",
-                    help="GPU: only the fused kernels' table (% of copy bandwidth, vs compile), --dtypes")
+                    help="GPU: only the fused kernels' table (%% of copy bandwidth, vs compile), --dtypes")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     args = ap.parse_args(argv)
     args.dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in args.dtypes]

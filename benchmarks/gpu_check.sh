@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-command GPU check of lightning_resctl (<= ~15.5 minutes on one H100/H200-class GPU: two or three device calls).
+# One-command GPU check of lightning_resctl (<= 16 minutes on one H100/H200-class GPU, in two device calls of 8).
 #
 #   bash benchmarks/gpu_check.sh             # run every step, write one markdown report (its path is printed)
 #   bash benchmarks/gpu_check.sh --dry-run   # list the steps, run nothing
@@ -7,17 +7,20 @@
 #                                            # device call of 10 minutes runs the check in two parts
 #
 # Steps, in order (the script exits non-zero when any step fails):
-#   1 kernel-tests    both rules' Triton kernels on the device (TRITON_INTERPRET=0), fp32/bf16, forward and
-#                     backward against the torch references, small odd shapes and rows ~1e20:
-#                     pytest -k device_ tests/test_mgr_kernels.py (the normal suite runs the same tests on CPU
-#                     under the Triton interpreter)
+#   1 kernel-tests    the rules' Triton kernels on the device (TRITON_INTERPRET=0: ResController, MGR with its
+#                     inversion, AttnRes / Block AttnRes), fp32/bf16, forward and backward against the torch
+#                     references, small odd shapes and rows ~1e20: pytest -k device_ tests/test_mgr_kernels.py (the
+#                     normal suite runs the same tests on CPU under the Triton interpreter)
 #   2 kernels-aot     the compiler's prediction for the shapes the benchmarks below measure, on this device's
 #                     architecture: registers, spills, shared memory, theoretical occupancy, load width and
-#                     bytes moved per row vs the rule's minimum of every kernel variant the launch table picks
-#                     (benchmarks/kernels_aot.py; CPU only, printed beside the measured bandwidth of steps 3-4)
+#                     (benchmarks/kernels_aot.py --no-bytes: the bytes moved are counted by the suite, on CPU)
 #   3 bench-rescontroller  merge alone: eager / torch.compile / Triton times, bytes moved as % of the measured
 #                     device copy bandwidth (goal >= 80 %, and no slower than compile)
-#   4 bench-mgr       MGR step: torch path / compiled / Triton, n in {4, 8}
+#   4 bench-mgr       MGR's fused kernels (inverted, fp32 / bf16, n in {4, 8}, C in {768, 2048, 4096}): % of the
+#                     copy bandwidth forward and forward + backward, beside torch.compile of the reference (goal
+#                     >= 80 %, never slower)
+# Steps 1-5 (issue 55's figures) are budgeted for one device call of 8 minutes:
+#   bash benchmarks/gpu_check.sh kernel-tests kernels-aot bench-rescontroller bench-mgr bench-peers
 #   5 bench-peers     GPT-2-small-sized training step (12 layers, C=768, 12 heads, batch 8 x 1024 tokens, bf16
 #                     autocast): every rule and the peers vs plain, eager (goals: rescontroller <= 1.03x, mgr n=4
 #                     <= 1.08x)
@@ -42,15 +45,15 @@ GPT2_SMALL="--device cuda --dtype bf16 --layers 12 --C 768 --heads 12 --T 1024 -
 COMPILED_RULES="rescontroller,mgr n=4 competitive,attnres-block (lightning_resctl),hc (lightning_resctl),mhc-lite (lightning_resctl)"
 declare -A CMD=(
   [kernel-tests]="env TRITON_INTERPRET=0 LIGHTNING_RESCTL_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider tests/test_mgr_kernels.py -k device_"
-  [kernels-aot]="python benchmarks/kernels_aot.py --arch device --C 768 2048 4096 8192 --dtypes fp32 bf16 --n 4 8"
+  [kernels-aot]="python benchmarks/kernels_aot.py --arch device --C 768 2048 4096 8192 --dtypes fp32 bf16 --n 4 8 --no-bytes"
   [bench-rescontroller]="env TRITON_INTERPRET=0 python benchmarks/bench_rescontroller.py --device cuda --gpt-batch 8"
-  [bench-mgr]="env TRITON_INTERPRET=0 python benchmarks/bench_mgr.py --streams 4 8 --dims 768 2048"
+  [bench-mgr]="env TRITON_INTERPRET=0 python benchmarks/bench_mgr.py --kernels --streams 4 8 --dims 768 2048 4096 --dtypes fp32 bf16"
   [bench-peers]="env TRITON_INTERPRET=0 python benchmarks/bench_peers.py $GPT2_SMALL --reps 10 --warmup 2 --compile none"
   [bench-compiled]="env TRITON_INTERPRET=0 python benchmarks/bench_peers.py $GPT2_SMALL --reps 10 --warmup 2 --only '$COMPILED_RULES' --compile default"
   [bench-cudagraphs]="env TRITON_INTERPRET=0 python benchmarks/bench_peers.py $GPT2_SMALL --reps 10 --warmup 2 --only '$COMPILED_RULES' --compile reduce-overhead"
   [bench-recipe]="env TRITON_INTERPRET=0 python benchmarks/bench_recipe.py --device cuda --dtype bf16 --layers 12 24 --C 768 --heads 12 --T 1024 --batch 4 --vocab 50304 --reps 5 --warmup 1 --rules mgr-competitive,attnres-block,hc,mhc-lite"
 )
-declare -A LIMIT=([kernel-tests]=60 [kernels-aot]=45 [bench-rescontroller]=120 [bench-mgr]=90 [bench-peers]=120 [bench-compiled]=200 [bench-cudagraphs]=110 [bench-recipe]=170)
+declare -A LIMIT=([kernel-tests]=90 [kernels-aot]=60 [bench-rescontroller]=120 [bench-mgr]=90 [bench-peers]=120 [bench-compiled]=200 [bench-cudagraphs]=110 [bench-recipe]=170)
 
 DRY_RUN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
