@@ -26,11 +26,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
-from lightning_resctl.callbacks import (  # noqa: E402
-    ResidualAblationCallback,
-    ResidualControlCallback,
-    patch_in_configure_model,
-)  # noqa: E402
+from lightning_resctl import patch_in_configure_model  # noqa: E402
+from lightning_resctl.callbacks import ResidualAblationCallback, ResidualControlCallback  # noqa: E402
 from models import NanoGPT  # noqa: E402
 
 CFG = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
