@@ -36,10 +36,12 @@ CKPT = ("none", "ckpt-first", "patch-first", "strategy")
 PRECISION = ("fp32", "bf16")
 INPLACE = (False, True)
 # relative error (per logits / per parameter's gradient) against the eager, non-checkpointed patched model, keyed by
-# (precision, compiled): fp32 1e-6 (measured: 0, up to 4e-7 for attnres per block, 3e-7 with inductor); bf16
-# compiled: bf16's rounding (2^-8), should a decomposition round its operands apart from the eager kernel
+# (precision, compiled): fp32 eager 1e-6 (measured: 0); fp32 compiled 2e-6 (measured: up to 4e-7 for attnres per
+# block, 3e-7 with inductor, 1.1e-6 for kromhc per block under checkpoints: the frame rules' plain path traced there,
+# the recomputing Function in the reference, on kromhc_alpha's 3-element gradient; the same case in fp64: 1.6e-15);
+# bf16 compiled: bf16's rounding (2^-8), should a decomposition round its operands apart from the eager kernel
 # (measured: 0)
-TOL = {("fp32", False): 1e-6, ("fp32", True): 1e-6, ("bf16", False): 1e-6, ("bf16", True): 1e-2}
+TOL = {("fp32", False): 1e-6, ("fp32", True): 2e-6, ("bf16", False): 1e-6, ("bf16", True): 1e-2}
 
 
 def _x(seed=1):

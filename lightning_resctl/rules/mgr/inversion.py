@@ -78,8 +78,8 @@ def select_exact(s2: Tensor, beta: Tensor, gain: Optional[Tensor], top_p: float,
     priority = torch.where(must, 2.0 + gain, beta)  # the rows that need it, the largest gain first; then beta
     index = torch.topk(priority.reshape(-1), budget, sorted=False).indices
     exact = s2.reshape(-1, s2.shape[-1]).index_select(0, index)
-    saved = torch.zeros_like(must).view(-1).index_fill_(0, index, True).view_as(must)
-    return ExactSelection(gain.masked_fill(saved, 0.0), index, exact)
+    # a float fill (torch.jit.trace's alias analysis has no index_fill_ with a bool value)
+    return ExactSelection(gain.reshape(-1).index_fill(0, index, 0.0).view_as(gain), index, exact)
 
 
 def reconstruct_inputs(out2: Tensor, u2: Tensor, beta: Tensor, index: Optional[Tensor],

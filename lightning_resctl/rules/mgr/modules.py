@@ -298,8 +298,12 @@ class MGRChain(nn.Module):
         """True when a chain starting at ``tensor`` runs the fallback inversion under ``torch.compile`` (the rule's
         path: the state carries what the eager run keeps on the side, :class:`~.ops.MGRState`): while compiling,
         with grad mode, on the torch path (not the Triton op, not the reference), without saved-tensor hooks
-        (activation checkpointing decides what is kept); ``invert="auto"`` also needs fp32/fp64 streams."""
+        (activation checkpointing decides what is kept), not while ``torch.export`` records (its program keeps no
+        ``autograd.Function``'s backward: the step records the reference); ``invert="auto"`` also needs fp32/fp64
+        streams."""
         if self.invert is False or not torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return False
+        if torch.compiler.is_exporting():
             return False
         if self.resolved_backend(tensor) in ("reference", "triton"):
             return False

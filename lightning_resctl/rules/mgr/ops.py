@@ -69,8 +69,8 @@ def torch_step_forward(streams: Tensor, u: Tensor, next_query: Tensor, gate_quer
     r2 = _rsqrt_mean_sq(of, eps)
     p2 = of @ next_query.to(cd)
     a = torch.softmax(p2 * r2 * inv, dim=-1)
-    h = torch.empty((*lead, c), dtype=cd, device=streams.device)
-    torch.bmm(a.unsqueeze(1), of, out=h.view(-1, 1, c))
+    # no out=: a training-mode export records the call as aten ops and runs them with grad
+    h = torch.bmm(a.unsqueeze(1), of).view(*lead, c)
     return out, h.to(streams.dtype), beta, a, (r, pq, r2, p2)
 
 
