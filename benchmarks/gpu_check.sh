@@ -22,8 +22,9 @@
 # Steps 1-5 (issue 55's figures) are budgeted for one device call of 8 minutes:
 #   bash benchmarks/gpu_check.sh kernel-tests kernels-aot bench-rescontroller bench-mgr bench-peers
 #   5 bench-peers     GPT-2-small-sized training step (12 layers, C=768, 12 heads, batch 8 x 1024 tokens, bf16
-#                     autocast): every rule and the peers vs plain, eager (goals: rescontroller <= 1.03x, mgr n=4
-#                     <= 1.08x)
+#                     autocast): every rule and the peers vs plain, eager (goals: rescontroller <= 1.05x, mgr n=4
+#                     competitive <= 1.20x, attnres-block <= 1.15x, hc and mhc-lite <= 1.30x, mhc <= 1.6x;
+#                     benchmarks/floor.py prints the streams' byte floor beside them)
 #   6 bench-compiled  the same step under a whole-model torch.compile (mode "default") for plain, rescontroller,
 #                     mgr n=4 competitive, attnres-block, hc and mhc-lite: ratio to compiled plain (goals 1.02 /
 #                     1.07 / 1.04 / 1.10 / 1.10), vs the eager step, compile time (first step), peak memory per rule
