@@ -8,9 +8,10 @@ block (torchtitan's order). The compiled steps equal the eager patched model's. 
 middle and the last block at 4: a graph per block shows as one more at 5; ``attnres-block``'s stack of completed
 blocks grows by one per block at S = 2, so dynamo compiles its first middle block for that size and the next for any
 size, automatic dynamic shapes: from 4 blocks on the count stays). ``benchmarks/bench_block_graphs.py`` sweeps
-4 / 8 / 16 for every rule. ``attnres`` (Full) still compiles a graph per merge position: its sources stay separate
-tensors, so that it saves (K+1)·C per token, not O(K²·C) (docs/rules/attnres.md); expected to fail. So does ``dwa``:
-its history of block outputs is a tuple growing by one per block (stacked, it would save O(d²·C)). ``laurel-pa``'s
+4 / 8 / 16 for every rule. ``dwa`` still compiles a graph per block position (expected to fail here): its history
+of block outputs is a tuple growing by one per block (stacked, it would save O(d²·C)). ``attnres`` (Full) does the
+same for the same reason, its sources separate tensors so that it saves (K+1)·C per token, not O(K²·C)
+(docs/rules/attnres.md; bench_block_graphs.py shows it; not repeated here). ``laurel-pa``'s
 history grows over its first k - 1 merges only, then every merge runs one graph."""
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ C = 16
 DEPTHS = (4, 5)
 # one rule per runtime (the MGR chain, the frame family's, AttnRes'); every rule at 4 / 8 / 16 blocks in every
 # checkpointing mode: benchmarks/bench_block_graphs.py (mHC-lite's coefficients cost this file 60 s more)
-RULES = ("plain", "mgr-competitive", "hc", "attnres-block", "attnres", "laurel-pa", "dwa")
+RULES = ("plain", "mgr-competitive", "hc", "attnres-block", "laurel-pa", "dwa")
 # fewer streams than the default keep MGR's accumulating merges (graphs of their own) inside the first block
 OPTIONS = {"mgr-competitive": {"streams": 2}, "hc": {"streams": 2}, "laurel-pa": {"variant": "pa"}}
 
@@ -86,7 +87,7 @@ def unique_graphs(method: str, depth: int, ckpt: str, compare: bool = False) -> 
     return counter.frame_count
 
 
-POSITIONAL = ("attnres", "dwa")  # a graph per merge position (see the module docstring)
+POSITIONAL = ("dwa",)  # a graph per merge position (see the module docstring)
 
 
 def _marked(method):

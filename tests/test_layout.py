@@ -26,15 +26,30 @@ ABOVE_RUNTIME = ("rules", "surgery", "callbacks", "diagnostics", "distributed", 
                  "metrics", "plots", "testing")
 
 # The package module without running its __init__ (which imports the public API, rules included): what is imported
-# is what the runtime module itself pulls in.
-_IMPORT_ONE = """
+# is what each runtime module itself pulls in, the package's modules forgotten between the imports (one process,
+# torch imported once).
+_IMPORT_EACH = """
 import importlib, json, sys, types
-package = types.ModuleType("lightning_resctl")
-package.__path__ = [{path!r}]
-sys.modules["lightning_resctl"] = package
-importlib.import_module("lightning_resctl.runtime.{name}")
-print(json.dumps(sorted(m for m in sys.modules if m.startswith("lightning_resctl."))))
+loaded = {{}}
+for name in {names!r}:
+    for module in [m for m in sys.modules if m == "lightning_resctl" or m.startswith("lightning_resctl.")]:
+        del sys.modules[module]
+    package = types.ModuleType("lightning_resctl")
+    package.__path__ = [{path!r}]
+    sys.modules["lightning_resctl"] = package
+    importlib.import_module("lightning_resctl.runtime." + name)
+    loaded[name] = sorted(m for m in sys.modules if m.startswith("lightning_resctl."))
+print(json.dumps(loaded))
 """
+
+
+@pytest.fixture(scope="module")
+def runtime_imports() -> dict:
+    """``{runtime module: the package's modules loaded by importing it alone}``."""
+    out = subprocess.run([sys.executable, "-c", _IMPORT_EACH.format(path=str(PACKAGE), names=list(RUNTIME))],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _above(module: str) -> bool:
@@ -43,13 +58,10 @@ def _above(module: str) -> bool:
 
 
 @pytest.mark.parametrize("name", RUNTIME)
-def test_runtime_imports_no_rule(name):
-    """Importing a runtime module in a fresh process pulls in nothing above the runtime; the background compiler
-    (run in the child process) does not pull in the regions, which import it."""
-    out = subprocess.run([sys.executable, "-c", _IMPORT_ONE.format(path=str(PACKAGE), name=name)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+def test_runtime_imports_no_rule(name, runtime_imports):
+    """Importing a runtime module on its own pulls in nothing above the runtime; the background compiler (run in the
+    child process) does not pull in the regions, which import it."""
+    loaded = runtime_imports[name]
     assert f"lightning_resctl.runtime.{name}" in loaded
     assert [m for m in loaded if _above(m)] == []
     if name == "background":
