@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-CI_LINE = 'pip install torch==2.13.0 -e ".[test]" && pip install --no-deps litgpt==0.5.13 timm==1.0.31 && python -m ruff check . && python -m pytest -q tests'  # noqa: E501  (the README's line, exactly)
+CI_LINE = 'pip install torch==2.13.0 -e ".[test]" && pip install --no-deps litgpt==0.5.13 timm==1.0.31 && python -m ruff check . && python -m pytest -q -n 2 --dist loadfile tests'  # noqa: E501  (the README's line, exactly)
 #: the README is the front page; the rest lives in docs/ (PEFT's README is 191 lines, torchao's 319, Liger's 539)
 MAX_README_LINES = 400
 

@@ -61,8 +61,8 @@ def _compile_and_compare(method: str, kind: str):
     torch._dynamo.reset()  # every test compiles the same forward code of another model
     torch.manual_seed(0)
     model, x, loss_fn = MODELS[kind]()
-    if method is not None:
-        patch_residuals(model, method=method)
+    if method is not None:  # mHC's Sinkhorn in 3 steps: what the compiler sees of it does not depend on the count
+        patch_residuals(model, method=method, **({"sinkhorn_iters": 3} if method == "mhc" else {}))
     twin = copy.deepcopy(model)
     capture = GraphCapture()
     loss = loss_fn(torch.compile(model, backend=capture, fullgraph=True), x)  # fullgraph: a graph break raises
@@ -101,7 +101,7 @@ def test_what_the_partitioner_saves_stays_within_the_goal(method, monkeypatch):
     assert plain > 0 and patched <= 1.2 * plain, patched / plain
 
 
-@pytest.mark.parametrize("method", ["hc", "mhc-lite"])
+@pytest.mark.parametrize("method", ["hc"])  # the frame's step, shared by mhc, mhc-lite and kromhc
 def test_the_frame_rules_compiled_keep_one_stream_tensor_per_recompute_group(method, monkeypatch):
     """What a whole-model compile of a hyper-connection rule saves for its backward: no merge keeps its n streams
     (the first merge of each group of ``recompute_every`` does; the others, and every merge's coefficient math,
