@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-__all__ = ["DepthMetric", "safe_div", "as_float", "STATS_DTYPE", "FrameStats"]
+__all__ = ["DepthMetric", "SourceWeightsMetric", "safe_div", "as_float", "STATS_DTYPE", "FrameStats"]
 
 STATS_DTYPE = torch.float64
 
@@ -58,6 +58,20 @@ class DepthMetric(Metric):
         if not 0 <= depth < self.num_depths:
             raise ValueError(f"depth must be in [0, {self.num_depths}), got {depth!r}")
         return depth
+
+
+class SourceWeightsMetric(DepthMetric):
+    """A depth metric over weights that each merge puts on up to ``max_sources`` sources (AttnRes's depth
+    attention, DWA's averages): the states ``weight_sum`` / ``weight_count`` ``(D, max_sources)``; a subclass adds its
+    own and fills them in ``update``."""
+
+    def __init__(self, num_depths: int, max_sources: int, **kwargs) -> None:
+        super().__init__(num_depths, **kwargs)
+        if not isinstance(max_sources, int) or max_sources < 1:
+            raise ValueError(f"max_sources must be a positive int, got {max_sources!r}")
+        self.max_sources = max_sources
+        self._state("weight_sum", (num_depths, max_sources))
+        self._state("weight_count", (num_depths, max_sources))
 
 
 class FrameStats(DepthMetric):

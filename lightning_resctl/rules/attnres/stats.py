@@ -6,22 +6,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..stats import STATS_DTYPE, DepthMetric, safe_div
+from ..stats import STATS_DTYPE, SourceWeightsMetric, safe_div
 
 __all__ = ["AttnResStats"]
 
 
-class AttnResStats(DepthMetric):
+class AttnResStats(SourceWeightsMetric):
     """``update(depth, alpha=(..., m))``: the depth-attention weights of merge ``depth`` over its m sources."""
 
     def __init__(self, num_depths: int, max_sources: int, **kwargs) -> None:
-        super().__init__(num_depths, **kwargs)
-        if not isinstance(max_sources, int) or max_sources < 1:
-            raise ValueError(f"max_sources must be a positive int, got {max_sources!r}")
-        self.max_sources = max_sources
-        D, M = num_depths, max_sources
-        self._state("weight_sum", (D, M))
-        self._state("weight_count", (D, M))
+        super().__init__(num_depths, max_sources, **kwargs)
+        D = num_depths
         self._state("entropy_sum", (D,))
         self._state("entropy_count", (D,))
         self._state("sources_sum", (D,))

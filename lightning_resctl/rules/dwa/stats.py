@@ -7,22 +7,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..stats import STATS_DTYPE, DepthMetric, safe_div
+from ..stats import STATS_DTYPE, SourceWeightsMetric, safe_div
 
 __all__ = ["DWAStats"]
 
 
-class DWAStats(DepthMetric):
+class DWAStats(SourceWeightsMetric):
     """``update(depth, sources=[j ...], alpha=(m,))``: the weights of the average merge ``depth`` ends with."""
 
     def __init__(self, num_depths: int, max_sources: int, **kwargs) -> None:
-        super().__init__(num_depths, **kwargs)
-        if not isinstance(max_sources, int) or max_sources < 1:
-            raise ValueError(f"max_sources must be a positive int, got {max_sources!r}")
-        self.max_sources = max_sources
-        D, M = num_depths, max_sources
-        self._state("weight_sum", (D, M))
-        self._state("weight_count", (D, M))
+        super().__init__(num_depths, max_sources, **kwargs)
+        D = num_depths
         self._state("self_sum", (D,))
         self._state("self_count", (D,))
 
