@@ -13,11 +13,21 @@ if _ROOT not in sys.path:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+#: what Lightning's ``seed_everything`` leaves in ``os.environ`` (a compare job run in the test process calls it): a
+#: later test's processes would inherit it and seed themselves with it (tests/processes.py drops them too)
+SEED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    before = {k: os.environ.get(k) for k in SEED_ENV}
     yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 #: ``python -m pytest -m quick``: a subset to run in about a minute on 2 cores while working on the code (the rules'

@@ -11,9 +11,12 @@ __all__ = ["start_runs", "wait_for_runs"]
 
 def start_runs(script, runs: dict, **env) -> dict:
     """Start ``python script *args`` for each ``{name: args}`` of ``runs`` (interpreted Triton, warnings off, no
-    inherited ``LOCAL_RANK``; ``env`` adds variables); returns ``{name: Popen}`` with stdout and stderr together."""
+    inherited ``LOCAL_RANK`` nor Lightning's global seed, which a compare job run in the test process leaves in its
+    environment and Lightning's launch would seed each rank with; ``env`` adds variables); returns
+    ``{name: Popen}`` with stdout and stderr together."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore", **env)
-    env.pop("LOCAL_RANK", None)
+    for inherited in ("LOCAL_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        env.pop(inherited, None)
     return {name: subprocess.Popen([sys.executable, str(script), *map(str, args)], env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)
             for name, args in runs.items()}

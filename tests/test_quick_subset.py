@@ -38,4 +38,4 @@ def test_quick_leaves_out_the_triton_interpreter_and_unlisted_tests():
 def test_the_readme_test_command_is_the_whole_suite():
     readme = (TESTS.parent / "README.md").read_text()
     line = next(line for line in readme.splitlines() if line.startswith("pip install") and "python -m pytest" in line)
-    assert line.endswith("python -m pytest -q tests") and "-m quick" in readme
+    assert line.endswith("python -m pytest -q -n 2 --dist loadfile tests") and "-m quick" in readme
